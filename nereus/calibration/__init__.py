@@ -1,0 +1,1 @@
+"""Calibration: microbenchmarks, fitting, profiles."""

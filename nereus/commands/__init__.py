@@ -1,0 +1,1 @@
+"""One module per ``nereus`` subcommand (see nereus/cli.py)."""

@@ -1,0 +1,73 @@
+"""Shared CLI helpers: spec loading arguments, JSON output, rich console."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from nereus.errors import SpecError
+
+GiB = 1024**3
+
+
+def add_job_cluster(p: argparse.ArgumentParser, profile: bool = True) -> None:
+    p.add_argument("--job", required=True, help="job YAML (see examples/)")
+    p.add_argument("--cluster", required=True, help="cluster YAML (see examples/)")
+    if profile:
+        p.add_argument("--profile", help="cost profile JSON (nereus calibrate); default: analytic defaults")
+
+
+def load_specs(args: argparse.Namespace):
+    from nereus.planner.cost_params import CostParams
+    from nereus.planner.specs import load_cluster, load_job
+
+    job = load_job(args.job)
+    cluster = load_cluster(args.cluster)
+    params = CostParams.load(args.profile) if getattr(args, "profile", None) else CostParams()
+    return job, cluster, params
+
+
+def write_json(path: str | None, data: Any) -> None:
+    if not path:
+        return
+    p = Path(path)
+    try:
+        if p.parent and not p.parent.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    except OSError as e:
+        raise SpecError(f"cannot write {p}: {e.strerror}") from None
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def pos_int(text: str) -> int:
+    v = nonneg_int(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return v
+
+
+def pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def console():
+    from rich.console import Console
+
+    return Console(highlight=False)

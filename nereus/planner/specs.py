@@ -1,0 +1,414 @@
+"""Specs: ClusterSpec, JobSpec, Workload, ParallelConfig. Frozen, validated, JSON/YAML round-trip.
+
+These file formats are a public contract (see README "File formats"): fields are added, never
+renamed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from nereus.errors import SpecError
+from nereus.models.spec import ModelSpec, load_model
+
+GiB = 1024**3
+
+
+class Stage(str, Enum):
+    GENERATION = "generation"
+    INFERENCE = "inference"
+    TRAINING = "training"
+
+
+ROLES = ("actor", "critic", "ref", "reward")
+TRAINABLE = frozenset({"actor", "critic"})
+
+
+def _positive(owner: str, name: str, v: Any, *, allow_zero: bool = False, real: bool = False) -> None:
+    ok_type = (int, float) if real else (int,)
+    if isinstance(v, bool) or not isinstance(v, ok_type):
+        raise SpecError(f"{owner}: {name} must be a {'number' if real else 'whole number'}, got {v!r}")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise SpecError(f"{owner}: {name} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+
+def _check_keys(owner: str, d: Mapping[str, Any], known: set[str], required: tuple[str, ...] = ()) -> None:
+    if not isinstance(d, Mapping):
+        raise SpecError(f"{owner}: expected a mapping, got {type(d).__name__}")
+    unknown = set(d) - known
+    if unknown:
+        raise SpecError(f"{owner}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise SpecError(f"{owner}: missing field(s) {missing}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cluster
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPUSpec:
+    """One accelerator type. Bandwidths are per GPU per direction (COST_MODEL.md, Hardware)."""
+
+    name: str
+    memory_gib: float
+    """HBM capacity in GiB as the vendor counts it (80 GB is taken as 80 GiB of usable budget
+    minus ``reserved_gib``)."""
+    tflops_bf16: float
+    """Dense bf16 peak, TFLOP/s."""
+    hbm_tbps: float
+    """HBM bandwidth, TB/s."""
+    intra_node_gbps: float
+    """NVLink bandwidth per GPU per direction, GB/s."""
+    inter_node_gbps: float
+    """Scale-out (InfiniBand) bandwidth per GPU per direction, GB/s."""
+    reserved_gib: float = 2.0
+    """Memory kept back for the CUDA context, NCCL buffers and fragmentation."""
+
+    def __post_init__(self) -> None:
+        for f in ("memory_gib", "tflops_bf16", "hbm_tbps", "intra_node_gbps", "inter_node_gbps"):
+            _positive(f"gpu {self.name!r}", f, getattr(self, f), real=True)
+        _positive(f"gpu {self.name!r}", "reserved_gib", self.reserved_gib, allow_zero=True, real=True)
+        if self.reserved_gib >= self.memory_gib:
+            raise SpecError(f"gpu {self.name!r}: reserved_gib({self.reserved_gib}) >= memory_gib({self.memory_gib})")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * GiB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.tflops_bf16 * 1e12
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    "a100-80gb": GPUSpec(name="a100-80gb", memory_gib=80, tflops_bf16=312, hbm_tbps=2.039,
+                         intra_node_gbps=300, inter_node_gbps=25),
+    "h100-80gb": GPUSpec(name="h100-80gb", memory_gib=80, tflops_bf16=989, hbm_tbps=3.35,
+                         intra_node_gbps=450, inter_node_gbps=50),
+    "h200": GPUSpec(name="h200", memory_gib=141, tflops_bf16=989, hbm_tbps=4.8,
+                    intra_node_gbps=450, inter_node_gbps=50),
+}
+_GPU_OVERRIDES = ("memory_gib", "tflops_bf16", "hbm_tbps", "intra_node_gbps", "inter_node_gbps", "reserved_gib")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    gpu: GPUSpec
+    nodes: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        _positive("cluster", "nodes", self.nodes)
+        _positive("cluster", "gpus_per_node", self.gpus_per_node)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+    def spans_nodes(self, first_gpu: int, count: int) -> bool:
+        return self.node_of(first_gpu) != self.node_of(first_gpu + count - 1)
+
+    def with_gpus(self, gpus: int) -> "ClusterSpec":
+        """The same cluster resized to ``gpus`` GPUs (whole nodes, or one partial node)."""
+        _positive("cluster", "gpus", gpus)
+        if gpus < self.gpus_per_node:
+            return replace(self, nodes=1, gpus_per_node=gpus)
+        if gpus % self.gpus_per_node:
+            raise SpecError(f"gpus({gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
+        return replace(self, nodes=gpus // self.gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        preset = GPU_PRESETS.get(self.gpu.name)
+        out: dict[str, Any] = {"gpu": self.gpu.name, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node}
+        for k in _GPU_OVERRIDES:
+            v = getattr(self.gpu, k)
+            if preset is None or getattr(preset, k) != v:
+                out[k] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ClusterSpec":
+        _check_keys("cluster", d, {"gpu", "nodes", "gpus_per_node", *_GPU_OVERRIDES}, ("gpu", "nodes"))
+        name = str(d["gpu"])
+        overrides = {k: d[k] for k in _GPU_OVERRIDES if k in d}
+        base = GPU_PRESETS.get(name.lower())
+        if base is None:
+            missing = [k for k in _GPU_OVERRIDES[:5] if k not in overrides]
+            if missing:
+                raise SpecError(
+                    f"cluster: unknown gpu preset {name!r} (known: {', '.join(GPU_PRESETS)}); "
+                    f"a custom gpu needs {missing}"
+                )
+            gpu = GPUSpec(name=name, **overrides)
+        else:
+            gpu = replace(base, **overrides) if overrides else base
+        return cls(gpu=gpu, nodes=d["nodes"], gpus_per_node=d.get("gpus_per_node", 8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Job
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSpec:
+    prompts: int
+    samples_per_prompt: int = 1
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"):
+            _positive("batch", f, getattr(self, f))
+        if self.mini_batches > self.sequences:
+            raise SpecError(f"batch: mini_batches({self.mini_batches}) > sequences({self.sequences})")
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceSpec:
+    prompt_len: int
+    response_len_mean: float
+    response_len_max: int
+    response_len_p90: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive("sequence", "prompt_len", self.prompt_len)
+        _positive("sequence", "response_len_mean", self.response_len_mean, real=True)
+        _positive("sequence", "response_len_max", self.response_len_max)
+        if self.response_len_mean > self.response_len_max:
+            raise SpecError(
+                f"sequence: response_len_mean({self.response_len_mean}) > response_len_max({self.response_len_max})"
+            )
+        if self.response_len_p90 is not None:
+            _positive("sequence", "response_len_p90", self.response_len_p90, real=True)
+            if not self.response_len_p90 <= self.response_len_max:
+                raise SpecError(
+                    f"sequence: response_len_p90({self.response_len_p90}) > response_len_max({self.response_len_max})"
+                )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    algorithm: str
+    models: tuple[tuple[str, ModelSpec], ...]
+    """(role, model) pairs in ROLES order; a missing reward means a rule-based reward."""
+    batch: BatchSpec
+    sequence: SequenceSpec
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("ppo", "grpo"):
+            raise SpecError(f"job: algorithm must be 'ppo' or 'grpo', got {self.algorithm!r}")
+        roles = [r for r, _ in self.models]
+        for r in roles:
+            if r not in ROLES:
+                raise SpecError(f"job: unknown model role {r!r}; roles are {list(ROLES)}")
+        for r in ("actor", "ref"):
+            if r not in roles:
+                raise SpecError(f"job: models.{r} is required")
+        if self.algorithm == "ppo" and "critic" not in roles:
+            raise SpecError("job: ppo needs models.critic (use algorithm: grpo for a critic-free job)")
+        if self.algorithm == "grpo" and "critic" in roles:
+            raise SpecError("job: grpo has no critic; remove models.critic or use algorithm: ppo")
+        if self.algorithm == "grpo" and self.batch.samples_per_prompt < 2:
+            raise SpecError(f"job: grpo needs samples_per_prompt >= 2, got {self.batch.samples_per_prompt}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r for r, _ in self.models)
+
+    def model(self, role: str) -> ModelSpec:
+        for r, m in self.models:
+            if r == role:
+                return m
+        raise SpecError(f"job has no model {role!r} (roles: {list(self.roles)})")
+
+    def model_stages(self) -> tuple[str, ...]:
+        """Every model-stage of one RL step, in phase order."""
+        return tuple(ms for phase in self.phases() for ms in phase)
+
+    def phases(self) -> tuple[tuple[str, ...], ...]:
+        """Model-stages that may run at the same time: generation, experience preparation, training."""
+        exp = ["actor/inference", "ref/inference"]
+        if "critic" in self.roles:
+            exp.append("critic/inference")
+        if "reward" in self.roles:
+            exp.append("reward/inference")
+        train = ["actor/training"] + (["critic/training"] if "critic" in self.roles else [])
+        return (("actor/generation",), tuple(exp), tuple(train))
+
+    def workload(self) -> "Workload":
+        s = self.sequence
+        return Workload(
+            sequences=self.batch.sequences, prompt_len=s.prompt_len, response_len_mean=s.response_len_mean,
+            response_len_max=s.response_len_max, response_len_p90=s.response_len_p90,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.sequence
+        seq: dict[str, Any] = {"prompt_len": s.prompt_len, "response_len_mean": s.response_len_mean,
+                               "response_len_max": s.response_len_max}
+        if s.response_len_p90 is not None:
+            seq["response_len_p90"] = s.response_len_p90
+        b = self.batch
+        return {
+            "algorithm": self.algorithm,
+            "models": {r: m.to_dict() for r, m in self.models},
+            "batch": {"prompts": b.prompts, "samples_per_prompt": b.samples_per_prompt,
+                      "ppo_epochs": b.ppo_epochs, "mini_batches": b.mini_batches},
+            "sequence": seq,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base_dir: Path | None = None) -> "JobSpec":
+        _check_keys("job", d, {"algorithm", "models", "batch", "sequence"}, ("algorithm", "models", "batch", "sequence"))
+        models = d["models"]
+        _check_keys("job.models", models, set(ROLES))
+        pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
+        _check_keys("job.batch", d["batch"], {"prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"}, ("prompts",))
+        _check_keys("job.sequence", d["sequence"],
+                    {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90"},
+                    ("prompt_len", "response_len_mean", "response_len_max"))
+        return cls(algorithm=str(d["algorithm"]).lower(), models=pairs,
+                   batch=BatchSpec(**d["batch"]), sequence=SequenceSpec(**d["sequence"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Workload and parallel config
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """What one step processes."""
+
+    sequences: int
+    prompt_len: int
+    response_len_mean: float
+    response_len_max: int
+    response_len_p90: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive("workload", "sequences", self.sequences)
+        _positive("workload", "prompt_len", self.prompt_len)
+        _positive("workload", "response_len_mean", self.response_len_mean, real=True)
+        _positive("workload", "response_len_max", self.response_len_max)
+        if self.response_len_mean > self.response_len_max:
+            raise SpecError(
+                f"workload: response_len_mean({self.response_len_mean}) > response_len_max({self.response_len_max})"
+            )
+
+    @property
+    def p90(self) -> float:
+        """90th-percentile response length; without data, the exponential-tail estimate."""
+        if self.response_len_p90 is not None:
+            return float(self.response_len_p90)
+        return float(min(self.response_len_max, self.response_len_mean * 2.3026))
+
+    @property
+    def tokens(self) -> float:
+        return self.sequences * (self.prompt_len + self.response_len_mean)
+
+    @property
+    def seq_len_max(self) -> int:
+        return self.prompt_len + self.response_len_max
+
+    def with_lengths(self, mean: float | None = None, max_: int | None = None, p90: float | None = None,
+                     gpus: int | None = None) -> "Workload":
+        new_max = self.response_len_max if max_ is None else int(max_)
+        new_mean = self.response_len_mean if mean is None else float(mean)
+        return replace(self, response_len_mean=min(new_mean, new_max), response_len_max=new_max,
+                       response_len_p90=p90 if p90 is not None else (None if mean is not None else self.response_len_p90))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Workload":
+        _check_keys("workload", d, {f.name for f in fields(cls)}, ("sequences", "prompt_len", "response_len_mean", "response_len_max"))
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    """Sequences per micro-batch (training/inference); ignored by generation."""
+    zero: int = 1
+    """ZeRO stage of the optimizer state (0, 1, 2, 3); only meaningful for training."""
+    recompute: bool = False
+    """Full activation recomputation."""
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "micro_batch"):
+            _positive("parallel config", f, getattr(self, f))
+        if self.zero not in (0, 1, 2, 3):
+            raise SpecError(f"parallel config: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelConfig":
+        _check_keys("parallel config", d, {f.name for f in fields(cls)})
+        return cls(**d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------
+def read_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"file not found: {p}") from None
+    except IsADirectoryError:
+        raise SpecError(f"expected a file, got a directory: {p}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{p}: expected a mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    try:
+        return ClusterSpec.from_dict(read_yaml(path))
+    except TypeError as e:  # wrong field types reaching the dataclass
+        raise SpecError(f"{path}: {e}") from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    try:
+        return JobSpec.from_dict(read_yaml(path), base_dir=Path(path).parent)
+    except TypeError as e:
+        raise SpecError(f"{path}: {e}") from None
