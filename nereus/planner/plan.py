@@ -1,0 +1,155 @@
+"""Plan: the parallel config and GPU pool of every model-stage, with predicted time and memory.
+
+This is the JSON written by ``nereus plan --json`` and read by ``nereus transition`` and
+``nereus simulate`` (a public contract: fields are added, never renamed).
+
+GPU numbering inside a pool follows Megatron's order, TP fastest, then DP, then PP:
+``gpu = first_gpu + tp_rank + tp * (dp_rank + dp * pp_rank)``. A pool is a contiguous range of
+GPUs ``[first_gpu, first_gpu + gpus)``; model-stages with the same ``pool`` id share it
+(colocated, time-multiplexed). Trainable models run their inference stage in their training
+layout (``actor/inference`` has the pool, tp, pp and dp of ``actor/training``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from nereus.errors import SpecError
+from nereus.planner.specs import ParallelConfig
+
+GiB = 1024**3
+
+# The state of each model lives in the layout of its "home" model-stage; transitions move it.
+# The actor's generation copy is rebuilt from the training layout every step (weight sync).
+HOME_STAGE = {"actor": "actor/training", "critic": "critic/training", "ref": "ref/inference",
+              "reward": "reward/inference"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlacement:
+    name: str
+    """Model-stage, e.g. ``actor/training``."""
+    config: ParallelConfig
+    pool: int
+    """Pool id; equal ids mean the same GPUs."""
+    first_gpu: int
+    """Global index of the pool's first GPU."""
+    gpus: int
+    """Pool size; equals tp * pp * dp."""
+    time_s: float = 0.0
+    """Predicted duration of this model-stage per step."""
+    mem_gib: float = 0.0
+    """Predicted peak memory per GPU of the pool while this model-stage runs (GiB)."""
+
+    def __post_init__(self) -> None:
+        if self.config.gpus != self.gpus:
+            c = self.config
+            raise SpecError(f"{self.name}: tp({c.tp}) * pp({c.pp}) * dp({c.dp}) = {c.gpus} != pool gpus({self.gpus})")
+        if self.first_gpu < 0 or self.pool < 0:
+            raise SpecError(f"{self.name}: pool({self.pool}) and first_gpu({self.first_gpu}) must be >= 0")
+
+    @property
+    def role(self) -> str:
+        return self.name.split("/")[0]
+
+    @property
+    def stage(self) -> str:
+        return self.name.split("/")[1]
+
+    def gpu_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        c = self.config
+        return self.first_gpu + tp_rank + c.tp * (dp_rank + c.dp * pp_rank)
+
+    def gpu_ids(self) -> range:
+        return range(self.first_gpu, self.first_gpu + self.gpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {"name": self.name, "tp": c.tp, "pp": c.pp, "dp": c.dp, "pool": self.pool, "gpus": self.gpus,
+                "time_s": self.time_s, "mem_gib": self.mem_gib, "first_gpu": self.first_gpu,
+                "micro_batch": c.micro_batch, "zero": c.zero, "recompute": c.recompute}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StagePlacement":
+        try:
+            cfg = ParallelConfig(tp=d["tp"], pp=d["pp"], dp=d["dp"], micro_batch=d.get("micro_batch", 1),
+                                 zero=d.get("zero", 1), recompute=bool(d.get("recompute", False)))
+            return cls(name=d["name"], config=cfg, pool=d["pool"], first_gpu=d.get("first_gpu", 0),
+                       gpus=d["gpus"], time_s=float(d.get("time_s", 0.0)), mem_gib=float(d.get("mem_gib", 0.0)))
+        except KeyError as e:
+            raise SpecError(f"plan: model-stage entry is missing field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    stages: tuple[StagePlacement, ...]
+    step_time_s: float = 0.0
+    """Predicted step time: sum of phase makespans + weight sync."""
+    status: str = "FEASIBLE"
+    solve_s: float = 0.0
+    gap: float = 0.0
+    backend: str = ""
+    extras: tuple[tuple[str, Any], ...] = field(default=())
+    """Free-form extra figures (e.g. weight_sync_s, phase makespans) kept in the JSON."""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise SpecError(f"plan: duplicate model-stages in {names}")
+        pools: dict[int, tuple[int, int]] = {}
+        for s in self.stages:
+            prev = pools.setdefault(s.pool, (s.first_gpu, s.gpus))
+            if prev != (s.first_gpu, s.gpus):
+                raise SpecError(f"plan: pool {s.pool} is [{prev[0]}, +{prev[1]}) for one model-stage and "
+                                f"[{s.first_gpu}, +{s.gpus}) for {s.name}")
+
+    def __iter__(self) -> Iterator[StagePlacement]:
+        return iter(self.stages)
+
+    def stage(self, name: str) -> StagePlacement:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise SpecError(f"plan has no model-stage {name!r}; it has {[s.name for s in self.stages]}")
+
+    def home(self, role: str) -> StagePlacement:
+        """Placement holding ``role``'s persistent state (see HOME_STAGE)."""
+        return self.stage(HOME_STAGE[role])
+
+    @property
+    def num_gpus(self) -> int:
+        return max(s.first_gpu + s.gpus for s in self.stages)
+
+    def layout_key(self) -> tuple:
+        """What a transition must change: pools and (tp, pp, dp, zero) of every model-stage."""
+        return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero)
+                     for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "step_time_s": self.step_time_s, "solve_s": self.solve_s, "gap": self.gap,
+                "backend": self.backend, "model_stages": [s.to_dict() for s in self.stages], **dict(self.extras)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if "model_stages" not in d:
+            raise SpecError("plan JSON: missing 'model_stages' (write plans with `nereus plan --json`)")
+        if d.get("status") == "INFEASIBLE":
+            raise SpecError("plan JSON: status is INFEASIBLE; it holds no plan")
+        known = {"status", "step_time_s", "solve_s", "gap", "backend", "model_stages"}
+        extras = tuple((k, v) for k, v in d.items() if k not in known)
+        return cls(stages=tuple(StagePlacement.from_dict(s) for s in d["model_stages"]),
+                   step_time_s=float(d.get("step_time_s", 0.0)), status=str(d.get("status", "FEASIBLE")),
+                   solve_s=float(d.get("solve_s", 0.0)), gap=float(d.get("gap", 0.0) or 0.0),
+                   backend=str(d.get("backend", "")), extras=extras)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise SpecError(f"plan file not found: {p}") from None
+        except json.JSONDecodeError as e:
+            raise SpecError(f"plan {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
