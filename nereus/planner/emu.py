@@ -1,0 +1,168 @@
+"""Elastic Model Units: the exact tensor regions every GPU holds under a plan.
+
+An EMU is one data-parallel replica of one model's home model-stage (``HOME_STAGE``): the
+regions its tp x pp GPUs hold. Rules (same as the executor's shard store):
+
+- TP splits the dim the tensor inventory names (``tp_shard``); KV projections replicate when
+  tp exceeds the KV heads.
+- PP splits layers (``pp_layer_range``); the embedding sits on the first stage, the final norm
+  and head on the last (a tied embedding on both).
+- Trainable models (actor, critic) carry ``param`` plus Adam ``exp_avg`` / ``exp_avg_sq`` and,
+  under mixed precision, an fp32 ``master`` copy of the bf16 param; without mixed precision
+  every kind is fp32 and there is no master. Frozen models (ref, reward) carry ``param`` only.
+- ZeRO >= 1 shards the optimizer kinds (and master) along DP on dim 0 of each TP shard
+  (``split_range``); a DP rank whose share is empty (a 1-row value head, dp > 1) holds nothing.
+- Critic and reward models have ``head="value"``.
+
+Worked example: Llama-3.1-8B actor, tp=4 pp=1 dp=2 ZeRO-1, GPU 5 = (tp 1, dp 1). Its
+``layers.0.attn.k_proj.weight`` param is rows [256, 512) x cols [0, 4096) (bf16); its master,
+exp_avg and exp_avg_sq are rows [384, 512) of that shard (fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Mapping
+
+from nereus.models.inventory import TensorInfo, pp_layer_range, split_range, stage_tensors, tp_shard
+from nereus.models.spec import ModelSpec
+from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
+from nereus.planner.regions import Box
+from nereus.planner.specs import TRAINABLE, JobSpec
+from nereus.planner.transition_types import Holding, Region
+
+OPTIMIZER_KINDS = frozenset({"master", "exp_avg", "exp_avg_sq"})
+
+
+def head_of(role: str) -> str:
+    """Critic and reward models end in a value head, actor and ref in the LM head."""
+    return "value" if role in ("critic", "reward") else "lm"
+
+
+def kinds_of(role: str, *, mixed_precision: bool = True, include_optimizer: bool = True) -> tuple[tuple[str, str], ...]:
+    """(kind, dtype) pairs a GPU of ``role`` holds per tensor shard."""
+    if role not in TRAINABLE or not include_optimizer:
+        return (("param", "bf16" if mixed_precision else "fp32"),)
+    if mixed_precision:
+        return (("param", "bf16"), ("master", "fp32"), ("exp_avg", "fp32"), ("exp_avg_sq", "fp32"))
+    return (("param", "fp32"), ("exp_avg", "fp32"), ("exp_avg_sq", "fp32"))
+
+
+def tp_box(t: TensorInfo, tp: int, tp_rank: int) -> Box:
+    """Box of tensor ``t`` held by TP rank ``tp_rank`` (the whole tensor when not split)."""
+    dim, off, n = tp_shard(t, tp, tp_rank)
+    offsets, lengths = [0] * len(t.shape), list(t.shape)
+    if dim >= 0:
+        offsets[dim], lengths[dim] = off, n
+    return tuple(offsets), tuple(lengths)
+
+
+def zero_box(box: Box, dp: int, dp_rank: int) -> Box | None:
+    """DP rank ``dp_rank``'s ZeRO share of a TP shard: rows split along dim 0 with ``split_range``.
+    Example: rows [256, 512) over dp=2 -> rank 1 holds rows [384, 512). None when empty."""
+    off, ln = box
+    o, n = split_range(ln[0], dp, dp_rank)
+    if n == 0:
+        return None
+    return (off[0] + o,) + off[1:], (n,) + ln[1:]
+
+
+def shard_box(t: TensorInfo, kind: str, p: StagePlacement, tp_rank: int, dp_rank: int) -> Box | None:
+    """Box of ``t``'s ``kind`` on the GPU at (tp_rank, dp_rank) of placement ``p``."""
+    box = tp_box(t, p.config.tp, tp_rank)
+    if kind in OPTIMIZER_KINDS and p.config.zero >= 1 and p.config.dp > 1:
+        return zero_box(box, p.config.dp, dp_rank)
+    return box
+
+
+@lru_cache(maxsize=4096)
+def layer_stages(layers: int, pp: int) -> tuple[int, ...]:
+    """Pipeline stage of every layer: ``layer_stages(5, 2) == (0, 0, 1, 1, 1)``."""
+    out = []
+    for s in range(pp):
+        first, last = pp_layer_range(layers, pp, s)
+        out.extend([s] * (last - first))
+    return tuple(out)
+
+
+def stages_holding(model: ModelSpec, t: TensorInfo, pp: int, head: str) -> tuple[int, ...]:
+    """Pipeline stages that hold tensor ``t`` (two for a tied embedding when pp > 1)."""
+    if t.part == "layer":
+        return (layer_stages(model.layers, pp)[t.layer],)
+    if t.part == "embed":
+        tied_last = model.tie_embeddings and head == "lm" and pp > 1
+        return (0, pp - 1) if tied_last else (0,)
+    return (pp - 1,)
+
+
+def role_holdings(job: JobSpec, role: str, p: StagePlacement, *, mixed_precision: bool = True,
+                  include_optimizer: bool = True) -> list[Holding]:
+    """Every region ``role``'s home placement ``p`` holds, GPU by GPU, in a fixed order."""
+    model, head = job.model(role), head_of(role)
+    kinds = kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+    c = p.config
+    out: list[Holding] = []
+    for pp_rank in range(c.pp):
+        tensors = stage_tensors(model, c.pp, pp_rank, head)
+        for dp_rank in range(c.dp):
+            for tp_rank in range(c.tp):
+                gpu = p.gpu_of(tp_rank, pp_rank, dp_rank)
+                for t in tensors:
+                    for kind, dtype in kinds:
+                        box = shard_box(t, kind, p, tp_rank, dp_rank)
+                        if box is not None:
+                            out.append(Holding(gpu, Region(role, t.name, kind, box[0], box[1], dtype)))
+    return out
+
+
+def holdings(job: JobSpec, plan: Plan, *, mixed_precision: bool = True, include_optimizer: bool = True) -> tuple[Holding, ...]:
+    """Every region every GPU holds under ``plan``, over all models of ``job``, sorted."""
+    out: list[Holding] = []
+    for role in job.roles:
+        out.extend(role_holdings(job, role, plan.home(role), mixed_precision=mixed_precision,
+                                 include_optimizer=include_optimizer))
+    out.sort()
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EMU:
+    """One data-parallel replica of one model's home model-stage and the regions it holds."""
+
+    model: str
+    stage: str
+    """Home model-stage, e.g. ``actor/training``."""
+    dp_rank: int
+    holdings: tuple[Holding, ...]
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(sorted({h.gpu for h in self.holdings}))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.region.nbytes for h in self.holdings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "stage": self.stage, "dp_rank": self.dp_rank,
+                "holdings": [{"gpu": h.gpu, **h.region.to_dict()} for h in self.holdings]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EMU":
+        hs = tuple(Holding(int(h["gpu"]), Region.from_dict(h)) for h in d["holdings"])
+        return cls(model=d["model"], stage=d["stage"], dp_rank=int(d["dp_rank"]), holdings=hs)
+
+
+def build_emus(job: JobSpec, plan: Plan, *, mixed_precision: bool = True, include_optimizer: bool = True) -> tuple[EMU, ...]:
+    """One EMU per (model home stage, DP replica), in ROLES order then DP rank."""
+    out: list[EMU] = []
+    for role in job.roles:
+        p = plan.home(role)
+        hs = role_holdings(job, role, p, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+        by_dp: dict[int, list[Holding]] = {d: [] for d in range(p.config.dp)}
+        for h in hs:
+            local = h.gpu - p.first_gpu
+            by_dp[(local // p.config.tp) % p.config.dp].append(h)
+        out.extend(EMU(model=role, stage=HOME_STAGE[role], dp_rank=d, holdings=tuple(sorted(by_dp[d])))
+                   for d in range(p.config.dp))
+    return tuple(out)

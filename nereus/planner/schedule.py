@@ -1,0 +1,347 @@
+"""Memory-safe schedule of a transition: greedy list scheduling, CP-SAT, and an independent replay.
+
+Tasks are (src, dst) buckets: every region moving from one GPU to another travels in one
+bucket, so 70B on 1,024 GPUs has tens of thousands of tasks, not millions. A transfer bucket
+occupies its sender's send resource and its receiver's receive resource (duration = bytes /
+bandwidth, NVLink inside a node, scale-out across); a local-copy bucket occupies the GPU's copy
+engine (bytes / HBM bandwidth). Memory per GPU: resident + source state; a bucket allocates its
+bytes on the receiver when it starts; a source region is freed when the last bucket reading it
+ends (regions nobody reads and that are not kept are freed at time 0).
+
+Lower bound: max over GPUs of total send, receive or copy time. Greedy: event-driven list
+scheduling (a dense schedule, so makespan <= 2 x bound when memory is not binding), priority to
+the task whose receiver / sender has most work left. CP-SAT: one interval per task, no-overlap
+per resource, a reservoir per tight GPU for memory, minimise makespan, seeded with the greedy.
+If the greedy cannot make progress for lack of memory, the source state of the tight GPUs is
+staged through host memory first (``staged_via_host``).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nereus.errors import TransitionError
+from nereus.planner.specs import ClusterSpec
+
+
+@dataclass(slots=True)
+class ScheduleProblem:
+    src: list[int]
+    dst: list[int]
+    nbytes: list[int]
+    dur: list[float]
+    moves: list[list[int]]
+    """Indices into Pieces.moves carried by each task."""
+    free_groups: list[tuple[int, int, tuple[int, ...]]]
+    """(gpu, bytes, reader tasks): source bytes freed when every reader has ended."""
+    base_mem: dict[int, float]
+    """Bytes on each GPU at time 0 (resident + source state, minus what nobody reads)."""
+    capacity: float
+    host_bps: float = 25e9
+    lower_bound_s: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return len(self.src)
+
+    @classmethod
+    def from_pieces(cls, pieces, cluster: ClusterSpec, bw_intra: float, bw_inter: float, capacity: float,
+                    resident_bytes: float | Mapping[int, float] | None, *, hbm_bps: float, host_bps: float) -> "ScheduleProblem":
+        """Bucket the moves by (src, dst) and derive memory groups."""
+        index: dict[tuple[int, int], int] = {}
+        for key in sorted({(m[5], m[1]) for m in pieces.moves}):
+            index[key] = len(index)
+        n = len(index)
+        p = cls(src=[k[0] for k in index], dst=[k[1] for k in index], nbytes=[0] * n, dur=[0.0] * n,
+                moves=[[] for _ in range(n)], free_groups=[], base_mem={}, capacity=capacity, host_bps=host_bps)
+        readers: dict[tuple, set[int]] = {}
+        for i, m in enumerate(pieces.moves):
+            t = index[(m[5], m[1])]
+            p.nbytes[t] += m[6]
+            p.moves[t].append(i)
+            readers.setdefault((m[0], m[3], m[5]), set()).add(t)
+        node = cluster.node_of
+        for t in range(n):
+            s, d = p.src[t], p.dst[t]
+            bw = hbm_bps / 2 if s == d else (bw_intra if node(s) == node(d) else bw_inter)
+            p.dur[t] = p.nbytes[t] / bw
+        _memory_groups(p, pieces, readers, resident_bytes)
+        p.lower_bound_s = lower_bound(p)
+        return p
+
+
+def _memory_groups(p: ScheduleProblem, pieces, readers: dict, resident_bytes) -> None:
+    groups: dict[tuple[int, tuple[int, ...]], int] = {}
+    for ti, box, g, b, kept in pieces.src_units:
+        p.base_mem[g] = p.base_mem.get(g, 0.0) + b
+        if kept:
+            continue
+        r = readers.get((ti, box, g))
+        if r is None:
+            p.base_mem[g] -= b  # nobody reads it and B does not keep it: freed before anything starts
+        else:
+            key = (g, tuple(sorted(r)))
+            groups[key] = groups.get(key, 0) + b
+    p.free_groups = [(g, b, r) for (g, r), b in sorted(groups.items())]
+    for t in range(p.n):
+        p.base_mem.setdefault(p.dst[t], 0.0)
+    if resident_bytes is not None:
+        for g in list(p.base_mem):
+            p.base_mem[g] += resident_bytes.get(g, 0.0) if isinstance(resident_bytes, Mapping) else resident_bytes
+
+
+def _resource_loads(p: ScheduleProblem) -> dict[tuple[str, int], float]:
+    load: dict[tuple[str, int], float] = {}
+    for t in range(p.n):
+        for r in _resources(p, t):
+            load[r] = load.get(r, 0.0) + p.dur[t]
+    return load
+
+
+def _resources(p: ScheduleProblem, t: int) -> tuple[tuple[str, int], ...]:
+    s, d = p.src[t], p.dst[t]
+    return (("copy", s),) if s == d else (("send", s), ("recv", d))
+
+
+def lower_bound(p: ScheduleProblem) -> float:
+    """Max over GPUs of the total send, receive or copy time: no schedule can beat it."""
+    return max(_resource_loads(p).values(), default=0.0)
+
+
+@dataclass(slots=True)
+class Schedule:
+    start: list[float]
+    end: list[float]
+    makespan_s: float
+    scheduler: str
+    staged: dict[int, float] = field(default_factory=dict)
+    """GPU -> time its freeable source state has been staged to host memory."""
+    status: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy list scheduling
+# --------------------------------------------------------------------------------------------
+def greedy(p: ScheduleProblem, staged: Mapping[int, float] | None = None) -> Schedule | None:
+    """Event-driven list schedule; None when it deadlocks on memory."""
+    staged = dict(staged or {})
+    load = _resource_loads(p)
+    busy: dict[tuple[str, int], bool] = {}
+    mem = dict(p.base_mem)
+    for g, ready in staged.items():
+        mem[g] -= sum(b for gg, b, _ in p.free_groups if gg == g)
+    left = {i: len(r) for i, (_, _, r) in enumerate(p.free_groups)}
+    groups_of: dict[int, list[int]] = {}
+    for i, (g, _, r) in enumerate(p.free_groups):
+        if g not in staged:
+            for t in r:
+                groups_of.setdefault(t, []).append(i)
+    by_gpu: dict[int, list[int]] = {}
+    for t in sorted(range(p.n), key=lambda t: (-max(load.get(r, 0.0) for r in _resources(p, t)), -p.dur[t], t)):
+        for g in {p.src[t], p.dst[t]}:
+            by_gpu.setdefault(g, []).append(t)
+    start, end = [-1.0] * p.n, [0.0] * p.n
+    events: list[tuple[float, int]] = []
+    now, done = 0.0, 0
+    dirty = set(by_gpu)
+    wake = sorted(set(staged.values()))
+    while done < p.n:
+        for g in sorted(dirty):
+            _try_start(p, g, by_gpu, busy, mem, staged, now, start, end, events)
+        dirty = set()
+        if wake and (not events or wake[0] < events[0][0]):
+            now = max(now, wake.pop(0))
+            dirty = set(by_gpu)
+            continue
+        if not events:
+            return None  # nothing runs and nothing fits: memory deadlock
+        now, t = heapq.heappop(events)
+        batch = [t]
+        while events and events[0][0] == now:
+            batch.append(heapq.heappop(events)[1])
+        for t in batch:
+            done += 1
+            for r in _resources(p, t):
+                busy[r] = False
+            dirty.update((p.src[t], p.dst[t]))
+            for gi in groups_of.get(t, ()):
+                left[gi] -= 1
+                if left[gi] == 0:
+                    g, b, _ = p.free_groups[gi]
+                    mem[g] -= b
+                    dirty.add(g)
+        while wake and wake[0] <= now:
+            wake.pop(0)
+            dirty = set(by_gpu)
+    return Schedule(start, end, max(end, default=0.0), "greedy", staged)
+
+
+def _try_start(p, g, by_gpu, busy, mem, staged, now, start, end, events) -> None:
+    queue = by_gpu.get(g)
+    if not queue:
+        return
+    keep = []
+    for t in queue:
+        if start[t] >= 0:
+            continue
+        keep.append(t)
+        s, d = p.src[t], p.dst[t]
+        res = _resources(p, t)
+        if any(busy.get(r) for r in res) or staged.get(s, 0.0) > now or staged.get(d, 0.0) > now:
+            continue
+        if mem[d] + p.nbytes[t] > p.capacity:
+            continue
+        for r in res:
+            busy[r] = True
+        mem[d] += p.nbytes[t]
+        start[t], end[t] = now, now + p.dur[t]
+        heapq.heappush(events, (end[t], t))
+        keep.pop()
+    by_gpu[g] = keep
+
+
+def staging_plan(p: ScheduleProblem) -> dict[int, float]:
+    """GPUs whose source state cannot stay while their destination state arrives: stage the
+    freeable part through host memory (time = bytes / host bandwidth)."""
+    incoming: dict[int, float] = {}
+    for t in range(p.n):
+        incoming[p.dst[t]] = incoming.get(p.dst[t], 0.0) + p.nbytes[t]
+    freeable: dict[int, float] = {}
+    for g, b, _ in p.free_groups:
+        freeable[g] = freeable.get(g, 0.0) + b
+    out = {}
+    for g, inc in incoming.items():
+        if p.base_mem.get(g, 0.0) + inc > p.capacity:
+            if p.base_mem[g] - freeable.get(g, 0.0) + inc > p.capacity:
+                raise TransitionError(
+                    f"GPU {g}: destination state needs {(p.base_mem[g] - freeable.get(g, 0.0) + inc) / 2**30:.2f} GiB "
+                    f"but capacity is {p.capacity / 2**30:.2f} GiB, even with its old state staged to host")
+            out[g] = freeable.get(g, 0.0) / p.host_bps
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Replay (independent check) and entry point
+# --------------------------------------------------------------------------------------------
+def replay_peak(p: ScheduleProblem, s: Schedule) -> dict[int, float]:
+    """Peak bytes per GPU over the schedule, replayed from start/end times alone: allocations at
+    each task's start, frees when the last reader of a source group ends. At equal times frees
+    come first (a send has finished before the next receive on that GPU starts)."""
+    events: list[tuple[float, int, int, float]] = []
+    for t in range(p.n):
+        events.append((s.start[t], 1, p.dst[t], float(p.nbytes[t])))
+    for g, b, readers in p.free_groups:
+        when = s.staged[g] if g in s.staged else max(s.end[r] for r in readers)
+        events.append((when, 0, g, -float(b)))
+    mem = dict(p.base_mem)
+    peak = dict(mem)
+    for _, _, g, delta in sorted(events):
+        mem[g] = mem.get(g, 0.0) + delta
+        if delta > 0 and mem[g] > peak.get(g, 0.0):
+            peak[g] = mem[g]
+    return peak
+
+
+def schedule_transition(p: ScheduleProblem, *, scheduler: str = "auto", time_limit_s: float = 2.0,
+                        cpsat_max_tasks: int = 400) -> Schedule:
+    """Greedy first (hint and fallback); CP-SAT when asked, or on 'auto' when the problem is small
+    and the greedy is more than 1% above the lower bound."""
+    staged: dict[int, float] = {}
+    sched = greedy(p)
+    if sched is None:
+        staged = staging_plan(p)
+        sched = greedy(p, staged)
+        if sched is None:
+            raise TransitionError(f"no memory-safe schedule found for {p.n} transfer buckets even with host staging")
+    use_cpsat = scheduler == "cpsat" or (scheduler == "auto" and p.n <= cpsat_max_tasks
+                                         and sched.makespan_s > 1.01 * p.lower_bound_s)
+    if use_cpsat and p.n:
+        better = solve_cpsat(p, sched, time_limit_s=time_limit_s)
+        if better is not None and (better.makespan_s < sched.makespan_s or scheduler == "cpsat"):
+            sched = better
+    return sched
+
+
+# --------------------------------------------------------------------------------------------
+# CP-SAT
+# --------------------------------------------------------------------------------------------
+def solve_cpsat(p: ScheduleProblem, hint: Schedule, *, time_limit_s: float = 2.0) -> Schedule | None:
+    """Time-indexed CP-SAT model seeded with ``hint``; None when it finds nothing.
+
+    Determinism: one worker and a *deterministic* time limit, so every rank gets the same answer
+    whatever its CPU speed (``time_limit_s`` is read as deterministic seconds).
+    """
+    from ortools.sat.python import cp_model
+
+    unit = max(hint.makespan_s, 1e-9) / 20000.0  # seconds per model tick
+    m = cp_model.CpModel()
+    horizon = int(hint.makespan_s / unit) + 2 + int(max(hint.staged.values(), default=0.0) / unit)
+    dur = [max(1, int(-(-d // unit))) for d in p.dur]
+    horizon = max(horizon, sum(dur) + 1) if hint.staged else max(horizon, max(dur, default=1) + 1)
+    start = [m.new_int_var(0, horizon, f"start[{t}]") for t in range(p.n)]
+    end = [m.new_int_var(0, horizon, f"end[{t}]") for t in range(p.n)]
+    iv = [m.new_interval_var(start[t], dur[t], end[t], f"xfer[{p.src[t]}->{p.dst[t]}]") for t in range(p.n)]
+    _add_resources(m, p, iv)
+    _add_staging(m, p, hint, start, unit)
+    _add_memory(m, p, hint, start, end, horizon)
+    makespan = m.new_int_var(0, horizon, "makespan")
+    m.add_max_equality(makespan, end)
+    m.minimize(makespan)
+    for t in range(p.n):  # the greedy answer as hint
+        m.add_hint(start[t], int(hint.start[t] / unit))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = time_limit_s
+    status = solver.solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    st = [solver.value(start[t]) * unit for t in range(p.n)]
+    en = [st[t] + p.dur[t] for t in range(p.n)]
+    return Schedule(st, en, max(en, default=0.0), "cpsat", dict(hint.staged), solver.status_name(status))
+
+
+def _add_resources(m, p: ScheduleProblem, iv) -> None:
+    # one transfer at a time per GPU per direction (send, receive), one local copy at a time
+    per: dict[tuple[str, int], list] = {}
+    for t in range(p.n):
+        for r in _resources(p, t):
+            per.setdefault(r, []).append(iv[t])
+    for r in sorted(per):
+        if len(per[r]) > 1:
+            m.add_no_overlap(per[r])
+
+
+def _add_staging(m, p: ScheduleProblem, hint: Schedule, start, unit: float) -> None:
+    # a staged GPU neither sends nor receives before its old state is on the host
+    for t in range(p.n):
+        ready = max(hint.staged.get(p.src[t], 0.0), hint.staged.get(p.dst[t], 0.0))
+        if ready > 0:
+            m.add(start[t] >= int(-(-ready // unit)))
+
+
+def _add_memory(m, p: ScheduleProblem, hint: Schedule, start, end, horizon: int) -> None:
+    # reservoir per tight GPU: +bytes at a receive's start, -bytes when a group's last reader ends
+    incoming: dict[int, float] = {}
+    for t in range(p.n):
+        incoming[p.dst[t]] = incoming.get(p.dst[t], 0.0) + p.nbytes[t]
+    mib = 2**20
+    for g in sorted(incoming):
+        base = p.base_mem.get(g, 0.0)
+        if base + incoming[g] <= p.capacity:
+            continue
+        times, deltas = [0], [int(-(-base // mib))]
+        if g in hint.staged:
+            deltas[0] -= sum(b for gg, b, _ in p.free_groups if gg == g) // mib
+        for t in range(p.n):
+            if p.dst[t] == g:
+                times.append(start[t])
+                deltas.append(int(-(-p.nbytes[t] // mib)))
+        for i, (gg, b, readers) in enumerate(p.free_groups):
+            if gg == g and g not in hint.staged:
+                freed = m.new_int_var(0, horizon, f"free[g{g},{i}]")
+                m.add_max_equality(freed, [end[r] for r in readers])
+                times.append(freed)
+                deltas.append(-(b // mib))
+        m.add_reservoir_constraint(times, deltas, 0, int(p.capacity // mib))

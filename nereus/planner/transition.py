@@ -1,0 +1,411 @@
+"""Transition A -> B: which bytes each GPU needs, where to take them from, and what it costs.
+
+Pipeline: layer templates -> pieces (destination box x overlapping source box) -> kept / local
+copy / transfer -> source choice -> (src, dst) buckets -> schedule (``schedule.py``) -> ops.
+
+Layer templates: every layer whose (stage in A, stage in B) pair is the same has the same
+shards, so it is planned once and its pieces carry a multiplicity; the per-layer ops are
+expanded only when the plan is materialised. That is what keeps 70B on 1,024 GPUs tractable.
+
+Source choice (a greedy with a proven bound): a destination piece can come from any GPU that
+holds its source box (DP replicas; KV replicas when tp > kv_heads). Same GPU first (local copy),
+then GPUs on the destination's node, then any; among those, the least-loaded sender, pieces in
+decreasing size (LPT). When the candidate sets are disjoint groups of GPUs (DP replica groups
+of one model, the usual case) this is Graham list scheduling on identical machines per group,
+so the most-loaded sender carries at most OPT + largest piece <= 2 OPT (LPT: 4/3 OPT).
+``tests/unit/test_transition_choice.py`` checks it against brute force.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from nereus.errors import TransitionError
+from nereus.models.inventory import TensorInfo, tensor_inventory
+from nereus.planner.cost_params import CostParams
+from nereus.planner.emu import head_of, kinds_of, layer_stages, shard_box, stages_holding
+from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.regions import BoxIndex, intersect, volume
+from nereus.planner.specs import ClusterSpec, JobSpec
+from nereus.planner.transition_types import DTYPE_BYTES, TransitionPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """One tensor kind planned once for ``len(tensors)`` layers with identical shards."""
+
+    model: str
+    tensors: tuple[str, ...]
+    kind: str
+    dtype: str
+
+    @property
+    def mult(self) -> int:
+        return len(self.tensors)
+
+
+@dataclass(slots=True)
+class Pieces:
+    """Output of the piece computation, in template coordinates (before layer expansion)."""
+
+    templates: list[Template] = field(default_factory=list)
+    kept: list[tuple[int, tuple, int]] = field(default_factory=list)
+    """(template, box, gpu): identical box already on the GPU."""
+    moves: list[list] = field(default_factory=list)
+    """[template, dst_gpu, piece_box, src_box, candidates, src_gpu (-1 until chosen), bytes]."""
+    src_units: list[tuple[int, tuple, int, int, bool]] = field(default_factory=list)
+    """(template, box, gpu, bytes, kept) for every source holding (template scale)."""
+    bytes_kept: int = 0
+    dst_bytes: int = 0
+
+
+def _layer_groups(layers: int, pp_a: int, pp_b: int) -> list[list[int]]:
+    """Layers grouped by (stage in A, stage in B); ordered by first layer."""
+    sa, sb = layer_stages(layers, pp_a), layer_stages(layers, pp_b)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(layers):
+        groups.setdefault((sa[i], sb[i]), []).append(i)
+    return sorted(groups.values())
+
+
+def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacement) -> Iterator[tuple[TensorInfo, tuple[str, ...]]]:
+    model = job.model(role)
+    inv = tensor_inventory(model, head_of(role))
+    by_layer: dict[int, list[TensorInfo]] = {}
+    for t in inv:
+        if t.layer is None:
+            yield t, (t.name,)
+        else:
+            by_layer.setdefault(t.layer, []).append(t)
+    for layers in _layer_groups(model.layers, pa.config.pp, pb.config.pp):
+        rep = layers[0]
+        prefix = f"layers.{rep}."
+        for t in by_layer[rep]:
+            suffix = t.name[len(prefix):]
+            yield t, tuple(f"layers.{i}.{suffix}" for i in layers)
+
+
+def _holder_map(job: JobSpec, role: str, t: TensorInfo, kind: str, p: StagePlacement) -> dict[tuple, list[int]]:
+    """Box -> GPUs holding it (ascending), for one tensor kind under placement ``p``."""
+    model, c = job.model(role), p.config
+    out: dict[tuple, list[int]] = {}
+    for s in stages_holding(model, t, c.pp, head_of(role)):
+        for dp_rank in range(c.dp):
+            for tp_rank in range(c.tp):
+                box = shard_box(t, kind, p, tp_rank, dp_rank)
+                if box is not None:
+                    out.setdefault(box, []).append(p.gpu_of(tp_rank, s, dp_rank))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
+                   include_optimizer: bool = True) -> Pieces:
+    """Every destination box of B split into pieces by the source boxes of A, classified as
+    kept (same box, same GPU), local copy (the GPU holds a larger box containing it) or move."""
+    out = Pieces()
+    for role in job.roles:
+        pa, pb = plan_a.home(role), plan_b.home(role)
+        for kind, dtype in kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer):
+            for t, names in _role_templates(job, role, pa, pb):
+                ti = len(out.templates)
+                out.templates.append(Template(role, names, kind, dtype))
+                _template_pieces(out, ti, _holder_map(job, role, t, kind, pa), _holder_map(job, role, t, kind, pb),
+                                 DTYPE_BYTES[dtype] * len(names))
+    return out
+
+
+def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, unit_bytes: int) -> None:
+    index = BoxIndex(src.keys())
+    src_sets = {box: frozenset(g) for box, g in src.items()}
+    kept_at: set[tuple[tuple, int]] = set()
+    for box, gpus in dst.items():
+        nbytes = volume(box[1]) * unit_bytes
+        out.dst_bytes += nbytes * len(gpus)
+        overl = index.overlapping(*box)
+        cuts = [(sbox, intersect(box[0], box[1], sbox[0], sbox[1])) for sbox in overl]
+        for g in gpus:
+            if box in src_sets and g in src_sets[box]:
+                out.kept.append((ti, box, g))
+                out.bytes_kept += nbytes
+                kept_at.add((box, g))
+                continue
+            for sbox, cut in cuts:
+                holders = src[sbox]
+                b = volume(cut[1]) * unit_bytes
+                if g in src_sets[sbox]:
+                    out.moves.append([ti, g, cut, sbox, (g,), g, b])
+                else:
+                    out.moves.append([ti, g, cut, sbox, holders, -1, b])
+    for box, gpus in src.items():
+        b = volume(box[1]) * unit_bytes
+        for g in gpus:
+            out.src_units.append((ti, box, g, b, (box, g) in kept_at))
+
+
+def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_inter: float) -> dict[int, float]:
+    """Pick the sender of every move (see module docstring for the rule and its bound).
+    Returns the resulting send time per GPU."""
+    load: dict[int, float] = {}
+    flex: list[tuple[float, int, list, tuple]] = []
+    node = cluster.node_of
+    for i, m in enumerate(pieces.moves):
+        dst, cands = m[1], m[4]
+        if m[5] >= 0:
+            continue  # local copy: no link used
+        same = tuple(c for c in cands if node(c) == node(dst))
+        cands = same or tuple(cands)
+        cost = m[6] / (bw_intra if same else bw_inter)
+        if len(cands) == 1:
+            m[5] = cands[0]
+            load[cands[0]] = load.get(cands[0], 0.0) + cost
+        else:
+            flex.append((-cost, i, m, cands))
+    flex.sort(key=lambda x: (x[0], x[1]))
+    heaps: dict[tuple, list[tuple[float, int]]] = {}
+    for negcost, _, m, cands in flex:
+        h = heaps.get(cands)
+        if h is None:
+            h = heaps[cands] = [(load.get(c, 0.0), c) for c in cands]
+            heapq.heapify(h)
+        while True:  # lazy heap: loads are shared by every group a GPU belongs to
+            lo, g = heapq.heappop(h)
+            if lo == load.get(g, 0.0):
+                break
+            heapq.heappush(h, (load.get(g, 0.0), g))
+        m[5] = g
+        load[g] = lo - negcost
+        heapq.heappush(h, (load[g], g))
+    return load
+
+
+def link_bandwidths(cluster: ClusterSpec, params: CostParams | None = None,
+                    bandwidth_override: float | tuple[float, float] | None = None) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes/s per GPU per direction, with achieved link efficiency."""
+    if bandwidth_override is not None:
+        if isinstance(bandwidth_override, (int, float)):
+            return float(bandwidth_override), float(bandwidth_override)
+        return float(bandwidth_override[0]), float(bandwidth_override[1])
+    p = params or CostParams()
+    return (cluster.gpu.intra_node_gbps * 1e9 * p.intra_link_eff, cluster.gpu.inter_node_gbps * 1e9 * p.inter_link_eff)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def plan_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
+                    time_limit_s: float = 2.0, scheduler: str = "auto", capacity_bytes: float | None = None,
+                    resident_bytes: float | Mapping[int, float] | None = None,
+                    bandwidth_override: float | tuple[float, float] | None = None,
+                    materialize: bool | None = None, include_optimizer: bool = True) -> TransitionPlan:
+    """Plan the transition A -> B over every model of ``job`` (see ``build_transition``)."""
+    return build_transition(job, cluster, plan_a, plan_b, mixed_precision=mixed_precision, time_limit_s=time_limit_s,
+                            scheduler=scheduler, capacity_bytes=capacity_bytes, resident_bytes=resident_bytes,
+                            bandwidth_override=bandwidth_override, materialize=materialize,
+                            include_optimizer=include_optimizer).plan
+
+
+def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
+                     time_limit_s: float = 2.0, scheduler: str = "auto", capacity_bytes: float | None = None,
+                     resident_bytes: float | Mapping[int, float] | None = None,
+                     bandwidth_override: float | tuple[float, float] | None = None,
+                     materialize: bool | None = None, include_optimizer: bool = True):
+    """Plan the transition and return a ``TransitionResult`` (``.plan``, ``.graph()``).
+
+    ``materialize``: expand per-region holdings and ops (None: only when the destination has at
+    most 300,000 holdings; the 1,024-GPU benchmark plans buckets and reports op counts).
+    """
+    from nereus.planner.schedule import ScheduleProblem, schedule_transition
+
+    if scheduler not in ("auto", "cpsat", "greedy"):
+        raise TransitionError(f"scheduler must be 'auto', 'cpsat' or 'greedy', got {scheduler!r}")
+    for p in (plan_a, plan_b):
+        if p.num_gpus > cluster.num_gpus:
+            raise TransitionError(f"a plan uses {p.num_gpus} GPUs but the cluster has {cluster.num_gpus}")
+    t0 = time.perf_counter()
+    pieces = compute_pieces(job, plan_a, plan_b, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+    bw_intra, bw_inter = link_bandwidths(cluster, bandwidth_override=bandwidth_override)
+    choose_sources(pieces, cluster, bw_intra, bw_inter)
+    cap = float(capacity_bytes if capacity_bytes is not None else cluster.gpu.usable_bytes)
+    problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
+                                          hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
+                                          host_bps=CostParams().host_link_gbps * 1e9)
+    sched = schedule_transition(problem, scheduler=scheduler, time_limit_s=time_limit_s)
+    return assemble(job, cluster, plan_a, plan_b, pieces, problem, sched, t0, mixed_precision=mixed_precision,
+                    include_optimizer=include_optimizer, materialize=materialize)
+
+
+_COST_CACHE: dict[tuple, float] = {}
+
+
+def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSpec | None = None) -> float:
+    """Seconds to move from ``plan_a`` to ``plan_b``: the bandwidth lower bound (max over GPUs of
+    send or receive time after source choice). The greedy schedule of ``plan_transition`` is
+    within 1.10x of it on the benchmark's plan pairs (benchmarks/transition_scaling.py); cached
+    by ``layout_key``. Identical layouts cost 0."""
+    if plan_a.layout_key() == plan_b.layout_key():
+        return 0.0
+    if job is None:
+        raise TransitionError("transition_cost needs the job (model shapes) to size the transition")
+    key = (plan_a.layout_key(), plan_b.layout_key(), cluster, job)
+    hit = _COST_CACHE.get(key)
+    if hit is None:
+        hit = _lower_bound(job, cluster, plan_a, plan_b)
+        if len(_COST_CACHE) > 4096:
+            _COST_CACHE.clear()
+        _COST_CACHE[key] = hit
+    return hit
+
+
+def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan) -> float:
+    pieces = compute_pieces(job, plan_a, plan_b)
+    bw_intra, bw_inter = link_bandwidths(cluster)
+    send = choose_sources(pieces, cluster, bw_intra, bw_inter)
+    recv: dict[int, float] = {}
+    node = cluster.node_of
+    for m in pieces.moves:
+        if m[5] != m[1]:
+            bw = bw_intra if node(m[5]) == node(m[1]) else bw_inter
+            recv[m[1]] = recv.get(m[1], 0.0) + m[6] / bw
+    return max(max(send.values(), default=0.0), max(recv.values(), default=0.0))
+
+
+def describe(tp: TransitionPlan) -> dict[str, Any]:
+    """The ``--json`` record of the CLI contract."""
+    return {"bytes_moved": int(tp.bytes_moved), "bytes_kept": int(tp.bytes_kept), "makespan_s": float(tp.makespan_s),
+            "lower_bound_s": float(tp.lower_bound_s), "peak_mem_frac": float(tp.peak_mem_frac),
+            "ops": int(dict(tp.stats).get("ops", len(tp.ops))), "plan_s": float(tp.plan_s)}
+
+
+# --------------------------------------------------------------------------------------------
+# Assembly: rounds, ops, holdings, graph
+# --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TransitionResult:
+    """A planned transition with what produced it; ``graph()`` builds the networkx DAG."""
+
+    plan: TransitionPlan
+    pieces: Pieces
+    problem: Any
+    schedule: Any
+    rounds: list[int]
+
+    def graph(self):
+        return transition_graph(self)
+
+
+def task_rounds(problem, sched) -> list[int]:
+    """Round of every task, consistent with the timed schedule: one more than any task that ended
+    before it started and shares its sender, its receiver, or frees memory on its receiver."""
+    events = sorted([(sched.end[t], 0, t) for t in range(problem.n)] + [(sched.start[t], 1, t) for t in range(problem.n)])
+    sent: dict[int, int] = {}
+    recv: dict[int, int] = {}
+    out = [0] * problem.n
+    for _, is_start, t in events:
+        s, d = problem.src[t], problem.dst[t]
+        if is_start:
+            out[t] = 1 + max(sent.get(s, -1), recv.get(d, -1), sent.get(d, -1), recv.get(s, -1) if s == d else -1)
+        else:
+            sent[s] = max(sent.get(s, -1), out[t])
+            recv[d] = max(recv.get(d, -1), out[t])
+    return out
+
+
+def assemble(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, pieces: Pieces, problem, sched, t0: float, *,
+             mixed_precision: bool, include_optimizer: bool, materialize: bool | None) -> TransitionResult:
+    from nereus.planner.emu import holdings
+    from nereus.planner.schedule import replay_peak
+    from nereus.planner.transition_types import Holding, Region, TransferOp
+
+    rounds = task_rounds(problem, sched)
+    n_ops = sum(pieces.templates[pieces.moves[i][0]].mult for t in range(problem.n) for i in problem.moves[t])
+    n_kept = sum(pieces.templates[k[0]].mult for k in pieces.kept)
+    if materialize is None:
+        materialize = n_ops + n_kept <= 300_000
+    ops: tuple = ()
+    src = dst = kept = ()
+    if materialize:
+        raw = []
+        for t in range(problem.n):
+            clock, rate = sched.start[t], (problem.dur[t] / problem.nbytes[t]) if problem.nbytes[t] else 0.0
+            for i in problem.moves[t]:
+                ti, d, cut, _, _, s, _ = pieces.moves[i]
+                tm = pieces.templates[ti]
+                b = volume(cut[1]) * DTYPE_BYTES[tm.dtype]
+                for name in tm.tensors:
+                    raw.append((Region(tm.model, name, tm.kind, cut[0], cut[1], tm.dtype), d, s, rounds[t], clock, clock + b * rate))
+                    clock += b * rate
+        raw.sort(key=lambda r: (r[0], r[1], r[2]))
+        ops = tuple(sorted((TransferOp(round=r[3], op_id=i, src_gpu=r[2], dst_gpu=r[1], region=r[0], start_s=r[4], end_s=r[5])
+                            for i, r in enumerate(raw)), key=lambda o: (o.round, o.op_id)))
+        kept = tuple(sorted(Holding(g, Region(pieces.templates[ti].model, name, pieces.templates[ti].kind, box[0], box[1],
+                                              pieces.templates[ti].dtype))
+                            for ti, box, g in pieces.kept for name in pieces.templates[ti].tensors))
+        src = holdings(job, plan_a, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+        dst = holdings(job, plan_b, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+    peak = replay_peak(problem, sched)
+    peak_frac = max(peak.values(), default=0.0) / problem.capacity
+    stats = _stats(cluster, pieces, problem, sched, n_ops, materialize, peak, rounds)
+    tp = TransitionPlan(src=src, dst=dst, kept=kept, ops=ops, bytes_moved=sum(problem.nbytes), bytes_kept=pieces.bytes_kept,
+                        makespan_s=sched.makespan_s, lower_bound_s=problem.lower_bound_s, peak_mem_frac=peak_frac,
+                        scheduler=sched.scheduler, staged_via_host=bool(sched.staged),
+                        plan_s=time.perf_counter() - t0, stats=stats)
+    return TransitionResult(tp, pieces, problem, sched, rounds)
+
+
+def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, materialized: bool, peak: dict,
+           rounds: list[int]) -> tuple:
+    by = {"local": 0, "intra": 0, "inter": 0}
+    for t in range(problem.n):
+        s, d = problem.src[t], problem.dst[t]
+        by["local" if s == d else "intra" if cluster.node_of(s) == cluster.node_of(d) else "inter"] += problem.nbytes[t]
+    return (("ops", n_ops), ("buckets", problem.n), ("rounds", 1 + max(rounds, default=-1)), ("materialized", materialized),
+            ("bytes_local_copy", by["local"]), ("bytes_intra_node", by["intra"]), ("bytes_inter_node", by["inter"]),
+            ("dst_bytes", pieces.dst_bytes), ("peak_mem_bytes", max(peak.values(), default=0.0)),
+            ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status))
+
+
+def transition_graph(result: TransitionResult):
+    """The transition as a networkx DiGraph (one node per bucket step, payload in attributes).
+
+    Nodes: ``alloc:gD<-gS`` (receiver allocates), ``send:gS->gD`` / ``recv:gS->gD`` (or
+    ``copy:gG``), ``free:gG:#i`` (a source group freed). Edges: alloc -> recv, send -> recv (data),
+    last reader -> free, and on GPUs where memory binds, free -> alloc when the schedule relies on
+    that free (memory edges)."""
+    import networkx as nx
+
+    p, s = result.problem, result.schedule
+    g = nx.DiGraph()
+    step = {}
+    for t in range(p.n):
+        a, b = p.src[t], p.dst[t]
+        attrs = dict(src=a, dst=b, nbytes=int(p.nbytes[t]), start_s=s.start[t], end_s=s.end[t], round=result.rounds[t],
+                     regions=sum(result.pieces.templates[result.pieces.moves[i][0]].mult for i in p.moves[t]))
+        alloc = f"alloc:g{b}<-g{a}"
+        g.add_node(alloc, kind="alloc", gpu=b, nbytes=int(p.nbytes[t]), start_s=s.start[t])
+        if a == b:
+            step[t] = f"copy:g{a}"
+            g.add_node(step[t], kind="copy", **attrs)
+        else:
+            step[t] = f"recv:g{a}->g{b}"
+            g.add_node(f"send:g{a}->g{b}", kind="send", **attrs)
+            g.add_node(step[t], kind="recv", **attrs)
+            g.add_edge(f"send:g{a}->g{b}", step[t], kind="data")
+        g.add_edge(alloc, step[t], kind="alloc")
+    tight = {d for d in set(p.dst) if p.base_mem.get(d, 0.0) + sum(p.nbytes[t] for t in range(p.n) if p.dst[t] == d) > p.capacity}
+    for i, (gpu, nbytes, readers) in enumerate(p.free_groups):
+        node = f"free:g{gpu}:#{i}"
+        when = s.staged.get(gpu, max(s.end[r] for r in readers))
+        g.add_node(node, kind="free", gpu=gpu, nbytes=int(nbytes), time_s=when)
+        for r in readers:
+            g.add_edge(step[r], node, kind="data")
+        if gpu in tight:
+            for t in range(p.n):
+                if p.dst[t] == gpu and s.start[t] >= when:
+                    g.add_edge(node, f"alloc:g{gpu}<-g{p.src[t]}", kind="memory")
+    if not nx.is_directed_acyclic_graph(g):
+        raise TransitionError("transition graph has a cycle (planner bug)")
+    return g
