@@ -1,0 +1,165 @@
+"""Apply a TransitionPlan on one rank: rounds, per-transfer checksums, then commit or roll back.
+
+Call order (every rank of the world calls ``apply_transition`` with the same plan):
+1. allocate the rank's new regions (kept regions are reused as they are, never copied);
+2. for each round, in op-id order: local copies, then bucketed sends/receives through the
+   transport; every received piece is checked against the checksum its sender computed;
+3. check every new region was written exactly once, element for element;
+4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
+   store's contents at once, so the old shards live until then; any exception, timeout or
+   "no" vote leaves the store untouched (rollback) and raises TransitionError.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from nereus.errors import TransitionError
+from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, region_slices
+from nereus.executor.transport import Transport
+from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultSpec:
+    """A failure to inject (tests and ``reshard-check --inject-fault``)."""
+
+    rank: int
+    round: int
+    kind: str = "raise"
+    """``raise``: an exception on that rank; ``hang``: it stops answering for ``hang_s``."""
+    hang_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplyReport:
+    rank: int
+    rounds: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_copied: int
+    messages: int
+    regions_verified: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__}
+
+
+class _NewLayout:
+    """The rank's destination regions being filled, with an element count per region."""
+
+    def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int) -> None:
+        kept = {h.region for h in plan.kept if h.gpu == rank}
+        self.tensors: dict[Region, torch.Tensor] = {}
+        self.filled: dict[Region, int] = {}
+        self.kept = kept
+        for h in plan.dst:
+            if h.gpu != rank:
+                continue
+            if h.region in kept:
+                self.tensors[h.region] = store.get(h.region)
+            else:
+                self.tensors[h.region] = torch.empty(h.region.lengths, dtype=TORCH_DTYPES[h.region.dtype],
+                                                     device=store.device)
+                self.filled[h.region] = 0
+
+    def target(self, piece: Region) -> torch.Tensor:
+        for r, t in self.tensors.items():
+            if r not in self.kept and contains(r, piece):
+                self.filled[r] += piece.numel
+                return t[region_slices(r, piece)]
+        raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
+                              "no destination region of this rank")
+
+    def check_complete(self, rank: int) -> None:
+        for r, n in self.filled.items():
+            if n != r.numel:
+                raise TransitionError(f"rank {rank}: {r.tensor}/{r.kind} received {n} of {r.numel} elements")
+
+
+def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
+               timeout_s: float, counters: dict) -> None:
+    sums_out: dict[int, list[int]] = defaultdict(list)
+    incoming: list[tuple[TransferOp, torch.Tensor]] = []
+    for op in ops:
+        if op.src_gpu == rank and op.dst_gpu == rank:
+            new.target(op.region).copy_(store.read(op.region))
+            counters["copied"] += op.region.nbytes
+        elif op.src_gpu == rank:
+            payload = store.read(op.region).contiguous()
+            transport.submit_send(op.dst_gpu, payload)
+            sums_out[op.dst_gpu].append(checksum(payload))
+            counters["sent"] += op.region.nbytes
+        elif op.dst_gpu == rank:
+            buf = torch.empty(op.region.lengths, dtype=TORCH_DTYPES[op.region.dtype], device=store.device)
+            transport.submit_recv(op.src_gpu, buf)
+            incoming.append((op, buf))
+    sums_in: dict[int, torch.Tensor] = {}
+    for peer, sums in sorted(sums_out.items()):
+        transport.submit_send(peer, torch.tensor(sums, dtype=torch.int64, device=store.device))
+    for peer in sorted({op.src_gpu for op, _ in incoming}):
+        n = sum(1 for op, _ in incoming if op.src_gpu == peer)
+        sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
+        transport.submit_recv(peer, sums_in[peer])
+    transport.run(timeout_s)
+    seen: dict[int, int] = defaultdict(int)
+    for op, buf in incoming:
+        expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
+        seen[op.src_gpu] += 1
+        if checksum(buf) != expect:
+            raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
+                                  f"{op.region.kind} from rank {op.src_gpu})")
+        new.target(op.region).copy_(buf)
+        counters["received"] += op.region.nbytes
+
+
+def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
+    if fault is None or fault.rank != rank or fault.round != rnd:
+        return
+    if fault.kind == "hang":
+        time.sleep(fault.hang_s)
+        return
+    raise RuntimeError(f"injected fault on rank {rank} in round {rnd}")
+
+
+def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
+                     timeout_s: float = 60.0, fault: FaultSpec | None = None) -> ApplyReport:
+    """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks."""
+    t0 = time.perf_counter()
+    counters = {"sent": 0, "received": 0, "copied": 0}
+    by_round: dict[int, list[TransferOp]] = defaultdict(list)
+    for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):
+        if rank in (op.src_gpu, op.dst_gpu):
+            by_round[op.round].append(op)
+    msgs0 = transport.messages
+    reason = ""
+    new: _NewLayout | None = None
+    try:
+        new = _NewLayout(store, plan, rank)
+        for rnd in range(plan.rounds):
+            _inject(fault, rank, rnd)
+            _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters)
+        new.check_complete(rank)
+        ok = True
+    except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
+        ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
+    transport.close()
+    try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out
+        agreed = transport.agree(ok, timeout_s)
+        if ok and not agreed:
+            ok, reason = False, "another rank failed to verify its regions"
+    except TransitionError as e:
+        ok, reason = False, reason or str(e)
+    if not ok:
+        raise TransitionError(f"transition rolled back on rank {rank}: {reason}; the old layout is intact")
+    models = sorted({h.region.model for h in plan.dst})
+    for m in models:
+        store.step[m] = transport.max_int(store.step.get(m, 0), timeout_s)
+    store.replace(new.tensors.items())
+    return ApplyReport(rank=rank, rounds=plan.rounds, bytes_sent=counters["sent"], bytes_received=counters["received"],
+                       bytes_copied=counters["copied"], messages=transport.messages - msgs0,
+                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0)

@@ -1,0 +1,241 @@
+"""Engine: one rank's view of one model under one placement (the per-rank API of the RL loop).
+
+``Engine(rank, world, model, placement, store)`` is collective (it creates the placement's
+process groups on every rank of the world). Ranks outside the placement's pool hold nothing and
+return None from the compute calls. All compute calls take the *global* batch on every pool rank;
+each DP rank works on its rows (``split_range``), PP stages exchange activations and gradients
+point to point in micro-batches (GPipe order), and results are shared over the pool so every
+pool rank returns the full result.
+
+State lives in the ShardStore: params and Adam moments as the regions of ``layout.rank_regions``,
+the step count in ``store.step``. ``apply_transition`` moves the store to a new placement and
+rebinds the model to it; nothing is rebuilt from disk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nereus.errors import SpecError
+from nereus.executor import model as M
+from nereus.executor.apply import ApplyReport, FaultSpec, apply_transition
+from nereus.executor.layout import OPT_KINDS, rank_regions
+from nereus.executor.optim import AdamW, adamw_update, zero_allgather
+from nereus.executor.parallel import PlacementGroups, all_reduce
+from nereus.executor.store import ShardStore, region_slices
+from nereus.executor.transport import DistTransport, Transport
+from nereus.models.inventory import pp_layer_range, split_range
+from nereus.models.spec import ModelSpec
+from nereus.planner.plan import StagePlacement
+from nereus.planner.transition_types import TransitionPlan
+
+
+class Engine:
+    def __init__(self, rank: int, world: int, model: ModelSpec, placement: StagePlacement, store: ShardStore, *,
+                 role: str = "actor", trainable: bool = True, optim: AdamW | None = None) -> None:
+        if placement.config.tp > model.kv_heads:
+            raise SpecError(f"executor: tp({placement.config.tp}) > kv_heads({model.kv_heads}) of {model.name} "
+                            "(replicated KV shards) is not supported by the reference transformer")
+        self.rank, self.world, self.model, self.store = rank, world, model, store
+        self.role, self.trainable, self.optim = role, trainable, optim or AdamW()
+        self._bind(placement)
+
+    # ---- layout ----------------------------------------------------------------------------
+    def _bind(self, placement: StagePlacement) -> None:
+        self.placement = placement
+        self.g = PlacementGroups.build(placement, self.rank)
+        self.regions = rank_regions(self.model, placement, self.rank, self.role, self.trainable)
+        self.w: dict[str, torch.Tensor] = {}
+        if self.g.coords is None or len(self.store) == 0:
+            return
+        for r in self.regions:
+            if r.kind == "param":
+                t = self.store.get(r)
+                t.requires_grad_(self.trainable)
+                self.w[r.tensor] = t
+        first, last = pp_layer_range(self.model.layers, self.g.pp, self.g.coords.pp_rank)
+        self.layers = range(first, last)
+        emb = [r for r in self.regions if r.tensor == "embed.weight" and r.kind == "param"]
+        self.vocab_lo = emb[0].offsets[0] if emb else 0
+
+    @property
+    def in_pool(self) -> bool:
+        return self.g.coords is not None
+
+    def init_state(self, seed: int, random_moments: bool = False) -> None:
+        """Fill the store from the seed (layout-independent); moments zero unless ``random_moments``."""
+        kinds = ("param",) + (OPT_KINDS if random_moments and self.trainable else ())
+        full = M.init_full(self.model, seed, kinds) if self.in_pool else {}
+        for r in self.regions:
+            src = full.get((r.tensor, r.kind))
+            t = torch.zeros(r.lengths) if src is None else src[tuple(slice(o, o + n) for o, n in
+                                                                    zip(r.offsets, r.lengths))].clone()
+            self.store.put(r, t.to(self.store.device))
+        self.store.step[self.role] = 0
+        self._bind(self.placement)
+
+    def bytes_held(self) -> int:
+        """Bytes this rank holds for the model: store regions plus gradients."""
+        grads = sum(t.grad.numel() * t.grad.element_size() for t in self.w.values() if t.grad is not None)
+        return self.store.nbytes() + grads
+
+    # ---- pipeline plumbing -----------------------------------------------------------------
+    def _rows(self, n: int) -> tuple[int, int]:
+        return split_range(n, self.g.dp, self.g.coords.dp_rank)
+
+    def _stage(self, x: torch.Tensor, cache: M.KVCache | None) -> torch.Tensor:
+        """Embedding (first stage), this stage's blocks, and the head (last stage)."""
+        if self.g.first_stage:
+            x = M.embed(x, self.w, self.vocab_lo, self.g.tp_group)
+        for i in self.layers:
+            x = M.block(x, self.w, i, self.model, self.g.tp_group, cache)
+        return M.head(x, self.w, self.g.tp_group) if self.g.last_stage else x
+
+    def _pipe_forward(self, ids: torch.Tensor, cache: M.KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run this stage on one micro-batch: (stage input needing grad or None, stage output)."""
+        if self.g.first_stage:
+            inp, out = None, self._stage(ids, cache)
+        else:
+            inp = torch.empty(ids.shape + (self.model.hidden,), device=self.store.device)
+            dist.recv(inp, self.g.prev_rank)
+            inp.requires_grad_(torch.is_grad_enabled())
+            out = self._stage(inp, cache)
+        if not self.g.last_stage:
+            dist.send(out.detach().contiguous(), self.g.next_rank)
+        return inp, out
+
+    def _share(self, shape: tuple[int, ...], lo: int, part: torch.Tensor | None, dtype) -> torch.Tensor:
+        """Assemble a global result on every pool rank from the last stage's TP-rank-0 rows."""
+        full = torch.zeros(shape, dtype=dtype, device=self.store.device)
+        if self.g.last_stage and self.g.coords.tp_rank == 0 and part is not None:
+            full[lo:lo + part.shape[0]] = part
+        return all_reduce(full, self.g.pool_group)
+
+    # ---- inference ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, T, vocab] of the global batch on every pool rank."""
+        if not self.in_pool:
+            return None
+        lo, n = self._rows(ids.shape[0])
+        _, out = self._pipe_forward(ids[lo:lo + n])
+        return self._share(tuple(ids.shape) + (self.model.vocab,), lo, out if self.g.last_stage else None,
+                           torch.float32)
+
+    @torch.no_grad()
+    def logprobs(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """log p(ids[:, t+1] | ids[:, :t+1]) as [B, T-1] on every pool rank."""
+        if not self.in_pool:
+            return None
+        lo, n = self._rows(ids.shape[0])
+        _, out = self._pipe_forward(ids[lo:lo + n])
+        part = _token_logprobs(out, ids[lo:lo + n]) if self.g.last_stage else None
+        return self._share((ids.shape[0], ids.shape[1] - 1), lo, part, torch.float32)
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, seed: int = 0) -> torch.Tensor | None:
+        """Prompts [B, P] -> sequences [B, P + new_tokens] with a KV cache; greedy when temperature
+        is 0, else Gumbel-max sampling from a generator seeded with ``seed`` over the global batch,
+        so samples do not depend on the layout."""
+        if not self.in_pool:
+            return None
+        B = prompts.shape[0]
+        lo, n = self._rows(B)
+        gen = torch.Generator().manual_seed(seed)
+        cache, tokens, cur = M.KVCache(), [prompts[lo:lo + n]], prompts[lo:lo + n]
+        c, co = self.placement.config, self.g.coords
+        head_rank = self.placement.gpu_of(co.tp_rank, c.pp - 1, co.dp_rank)
+        first_rank = self.placement.gpu_of(co.tp_rank, 0, co.dp_rank)
+        for _ in range(new_tokens):
+            _, out = self._pipe_forward(cur, cache)
+            nxt = torch.empty(n, dtype=torch.int64, device=self.store.device)
+            if self.g.last_stage:
+                logits = out[:, -1].float()
+                if temperature > 0:
+                    u = torch.rand((B, logits.shape[-1]), generator=gen)[lo:lo + n].clamp_(1e-20, 1.0)
+                    logits = logits / temperature - torch.log(-torch.log(u))
+                nxt = logits.argmax(-1)
+                if c.pp > 1:
+                    dist.send(nxt, first_rank)
+            elif self.g.first_stage:
+                dist.recv(nxt, head_rank)
+            cur = nxt[:, None]
+            tokens.append(cur)
+        part = torch.cat(tokens, 1) if self.g.last_stage else None
+        return self._share((B, prompts.shape[1] + new_tokens), lo, part, torch.int64)
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_step(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> float | None:
+        """One AdamW step on loss = -sum(weights * logprobs) / (B * (T-1)) over the global batch
+        (weights default to 1: plain next-token cross-entropy; RL passes advantages). Returns the
+        global loss on every pool rank."""
+        if not self.in_pool:
+            return None
+        B, T = ids.shape
+        weights = torch.ones(B, T - 1) if weights is None else weights
+        lo, n = self._rows(B)
+        mb = max(1, self.placement.config.micro_batch)
+        chunks = [(s, min(mb, lo + n - s)) for s in range(lo, lo + n, mb)]
+        kept, loss_sum = [], 0.0
+        for s, m in chunks:  # GPipe: every forward, then every backward, same order on all stages
+            inp, out = self._pipe_forward(ids[s:s + m])
+            if self.g.last_stage:
+                out = -(weights[s:s + m] * _token_logprobs(out, ids[s:s + m])).sum() / (B * (T - 1))
+                loss_sum += float(out.detach())
+            kept.append((inp, out))
+        for inp, out in kept:
+            if self.g.last_stage:
+                out.backward()
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, self.g.next_rank)
+                out.backward(grad)
+            if not self.g.first_stage:
+                dist.send(inp.grad.contiguous(), self.g.prev_rank)
+        self._optimizer_step()
+        part = torch.tensor([[loss_sum]]) if self.g.last_stage else None
+        return float(self._share((1, 1), 0, part, torch.float32)[0, 0])
+
+    def _optimizer_step(self) -> None:
+        params = [r for r in self.regions if r.kind == "param"]
+        grads = [self.w[r.tensor].grad if self.w[r.tensor].grad is not None else torch.zeros(r.lengths)
+                 for r in params]
+        if self.g.dp_group is not None and grads:
+            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.g.dp_group)
+            grads = list(torch.split(flat, [g.numel() for g in grads]))
+            grads = [g.view(r.lengths) for g, r in zip(grads, params)]
+        step = self.store.step.get(self.role, 0) + 1
+        self.store.step[self.role] = step
+        c = self.placement.config
+        zero = c.zero >= 1 and c.dp > 1
+        with torch.no_grad():
+            for r, g in zip(params, grads):
+                p = self.w[r.tensor]
+                found = self.store.find(self.role, r.tensor, "exp_avg")
+                if found is not None:  # None: this DP rank's ZeRO share is empty
+                    rows = region_slices(r, found[0])[0]
+                    v = self.store.find(self.role, r.tensor, "exp_avg_sq")[1]
+                    adamw_update(p[rows], g[rows], found[1], v, step, self.optim)
+                if zero:
+                    zero_allgather(p, c.dp, self.g.dp_group)
+                p.grad = None
+
+    # ---- transitions -------------------------------------------------------------------------
+    def apply_transition(self, tplan: TransitionPlan, placement: StagePlacement, *,
+                         transport: Transport | None = None, timeout_s: float = 60.0,
+                         fault: FaultSpec | None = None) -> ApplyReport:
+        """Collective over the world: move the store to ``placement``; on failure everything rolls
+        back (TransitionError) and the engine stays bound to the old placement."""
+        for t in self.w.values():
+            t.grad = None
+        with torch.no_grad():
+            report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
+                                      timeout_s=timeout_s, fault=fault)
+        self._bind(placement)
+        return report
+
+
+def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    lp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return lp.gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -1,0 +1,139 @@
+"""Process groups of one placement and Megatron's communication primitives with autograd.
+
+Megatron's f and g: ``copy_to_tp`` is the identity forward and an all-reduce backward (before a
+column-parallel linear); ``reduce_from_tp`` is an all-reduce forward and the identity backward
+(after a row-parallel linear). ``gather_from_tp`` concatenates vocab-parallel logits.
+
+``new_group`` must be called by every rank of the world in the same order, also by ranks outside
+the pool; ``PlacementGroups`` therefore creates every TP, DP and pool group of the placement on
+every rank, in a fixed order, and caches them by member tuple.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus.executor.layout import Coords
+from nereus.planner.plan import StagePlacement
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def group_of(ranks: tuple[int, ...]):
+    """A process group for ``ranks`` (None for a single rank; the default group for the world).
+    Collective: every rank must call it with the same tuples in the same order."""
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == dist.get_world_size() and ranks == tuple(range(len(ranks))):
+        return dist.group.WORLD
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks))
+    return _GROUPS[ranks]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementGroups:
+    """This rank's coordinates, groups and pipeline neighbours in one placement."""
+
+    coords: Coords | None
+    tp: int
+    pp: int
+    dp: int
+    tp_group: object
+    dp_group: object
+    pool_group: object
+    prev_rank: int | None
+    next_rank: int | None
+
+    @classmethod
+    def build(cls, placement: StagePlacement, rank: int) -> "PlacementGroups":
+        c, gpu = placement.config, placement.gpu_of
+        mine = {"tp": None, "dp": None}
+        for p in range(c.pp):
+            for d in range(c.dp):
+                ranks = tuple(gpu(t, p, d) for t in range(c.tp))
+                g = group_of(ranks)
+                if rank in ranks:
+                    mine["tp"] = g
+        for p in range(c.pp):
+            for t in range(c.tp):
+                ranks = tuple(gpu(t, p, d) for d in range(c.dp))
+                g = group_of(ranks)
+                if rank in ranks:
+                    mine["dp"] = g
+        pool = group_of(tuple(placement.gpu_ids()))
+        co = Coords.of(placement, rank)
+        prev_rank = next_rank = None
+        if co is not None and co.pp_rank > 0:
+            prev_rank = gpu(co.tp_rank, co.pp_rank - 1, co.dp_rank)
+        if co is not None and co.pp_rank < c.pp - 1:
+            next_rank = gpu(co.tp_rank, co.pp_rank + 1, co.dp_rank)
+        return cls(coords=co, tp=c.tp, pp=c.pp, dp=c.dp, tp_group=mine["tp"], dp_group=mine["dp"],
+                   pool_group=pool if co is not None else None, prev_rank=prev_rank, next_rank=next_rank)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords is not None and self.coords.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords is not None and self.coords.pp_rank == self.pp - 1
+
+
+def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Concatenate the last dim over the TP group (vocab-parallel logits -> full logits)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        lo = ctx.rank * ctx.width
+        return g[..., lo:lo + ctx.width].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _GatherFromTP.apply(x, group)

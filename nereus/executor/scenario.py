@@ -1,0 +1,86 @@
+"""Building blocks shared by the multi-process tests, ``nereus reshard-check`` and the benchmark:
+a job and plans over a tiny model, seeded state in a store, and the never-resharded reference.
+
+Everything here is data or per-rank work; plans and transition plans are made in the parent
+process (``nereus.planner``) and passed to the ranks as pickled data.
+"""
+from __future__ import annotations
+
+import torch
+
+from nereus.executor import model as M
+from nereus.executor.layout import OPT_KINDS, rank_regions
+from nereus.executor.store import ShardStore
+from nereus.models.inventory import tensor_inventory
+from nereus.models.spec import ModelSpec
+from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.specs import TRAINABLE, BatchSpec, ClusterSpec, GPU_PRESETS, JobSpec, ParallelConfig, SequenceSpec
+from nereus.planner.transition_types import Region, TransitionPlan
+
+ROLE_SEED = {"actor": 0, "ref": 7919}
+
+
+def tiny_job(model: ModelSpec) -> JobSpec:
+    """A GRPO job whose actor and ref are ``model`` (the ref is frozen: params only)."""
+    return JobSpec(algorithm="grpo", models=(("actor", model), ("ref", model)),
+                   batch=BatchSpec(prompts=4, samples_per_prompt=2),
+                   sequence=SequenceSpec(prompt_len=8, response_len_mean=8, response_len_max=16))
+
+
+def local_cluster(world: int) -> ClusterSpec:
+    return ClusterSpec(gpu=GPU_PRESETS["h100-80gb"], nodes=1, gpus_per_node=world)
+
+
+def make_plan(tp: int = 1, pp: int = 1, dp: int = 1, *, first_gpu: int = 0, zero: int = 1,
+              micro_batch: int = 1) -> Plan:
+    """Actor training/inference and ref inference on one pool with one parallel config."""
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch)
+    n = cfg.gpus
+    stages = tuple(StagePlacement(name=s, config=cfg, pool=0, first_gpu=first_gpu, gpus=n)
+                   for s in ("actor/training", "actor/inference", "ref/inference"))
+    return Plan(stages=stages)
+
+
+def restrict(tplan: TransitionPlan, model: str) -> TransitionPlan:
+    """The part of a transition plan that concerns one model (a projection of the data)."""
+    from dataclasses import replace
+
+    keep = lambda hs: tuple(h for h in hs if h.region.model == model)  # noqa: E731
+    ops = tuple(op for op in tplan.ops if op.region.model == model)
+    return replace(tplan, src=keep(tplan.src), dst=keep(tplan.dst), kept=keep(tplan.kept), ops=ops,
+                   bytes_moved=sum(op.region.nbytes for op in ops if not op.is_copy),
+                   bytes_kept=sum(h.region.nbytes for h in keep(tplan.kept)))
+
+
+def _slice(full: torch.Tensor, r: Region) -> torch.Tensor:
+    return full[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))]
+
+
+def reference(model: ModelSpec, seed: int, r: Region) -> torch.Tensor:
+    """The never-resharded value of region ``r``: rebuilt from the seed, whatever the layout."""
+    inv = tensor_inventory(model)
+    index = next(i for i, t in enumerate(inv) if t.name == r.tensor)
+    return _slice(M.init_tensor(inv[index], index, seed + ROLE_SEED[r.model], r.kind), r)
+
+
+def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int, *,
+               roles: tuple[str, ...] | None = None) -> None:
+    """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed
+    (Adam moments random so that moving them is checked, step count 0)."""
+    for role in roles or job.roles:
+        model = job.model(role)
+        kinds = ("param",) + (OPT_KINDS if role in TRAINABLE else ())
+        regions = rank_regions(model, plan.home(role), rank, role, role in TRAINABLE)
+        if not regions:
+            continue
+        full = M.init_full(model, seed + ROLE_SEED[role], kinds)
+        for r in regions:
+            store.put(r, _slice(full[(r.tensor, r.kind)], r).clone())
+        store.step[role] = 0
+
+
+def mismatches(store: ShardStore, job: JobSpec, seed: int) -> list[str]:
+    """Regions whose bits differ from the never-resharded reference."""
+    return [f"{r.model}:{r.tensor}/{r.kind}@{r.offsets}" for r, t in store.items()
+            if not torch.equal(t.view(-1).view(torch.int32), reference(job.model(r.model), seed, r).reshape(-1)
+                               .view(torch.int32))]

@@ -1,0 +1,112 @@
+"""ShardStore: the regions (params and optimizer states) one rank holds, as CPU/GPU tensors.
+
+The store is the source of truth between steps: the engine builds its model and optimizer views
+from it, and a transition replaces its contents atomically (``replace``) only after every new
+region verified. Nothing here touches disk.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from nereus.errors import TransitionError
+from nereus.planner.transition_types import Region
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def region_slices(outer: Region, inner: Region) -> tuple[slice, ...]:
+    """Index of ``inner`` inside a tensor that holds ``outer`` (both absolute coordinates).
+
+    Example: outer rows [128, 256) x cols [0, 128), inner rows [192, 256) -> (slice(64, 128), slice(0, 128)).
+    """
+    out = []
+    for oo, ol, io, il in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths):
+        lo = io - oo
+        if lo < 0 or lo + il > ol:
+            raise TransitionError(f"{inner.tensor}/{inner.kind}: region {inner.offsets}+{inner.lengths} is not "
+                                  f"inside {outer.offsets}+{outer.lengths}")
+        out.append(slice(lo, lo + il))
+    return tuple(out)
+
+
+def contains(outer: Region, inner: Region) -> bool:
+    return outer.key == inner.key and all(
+        oo <= io and io + il <= oo + ol
+        for oo, ol, io, il in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
+
+
+def checksum(t: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """Position-weighted 64-bit checksum of the raw bits: equal for bit-identical tensors, and a
+    flipped or moved element changes it (up to rare collisions). Chunked to bound temporaries."""
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+    total, weighted = 0, 0
+    for lo in range(0, words.numel(), chunk):
+        x = words[lo:lo + chunk].to(torch.int64)
+        w = torch.arange(lo, lo + x.numel(), dtype=torch.int64) % 65521 + 1
+        total += int(x.sum())
+        weighted += int((x * w).sum())
+    return (((weighted & 0xFFFFFFFFFFFF) << 15) ^ total ^ words.numel()) & 0x7FFFFFFFFFFFFFFF  # fits int64
+
+
+class ShardStore:
+    """Regions held by one rank, keyed by Region (at most one region per (model, tensor, kind))."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._data: dict[Region, torch.Tensor] = {}
+        self.step: dict[str, int] = {}
+        """Adam step count per model; carried across transitions."""
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Iterator[Region]:
+        return iter(sorted(self._data))
+
+    def items(self) -> Iterator[tuple[Region, torch.Tensor]]:
+        for r in sorted(self._data):
+            yield r, self._data[r]
+
+    def put(self, region: Region, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != region.lengths:
+            raise TransitionError(f"{region.tensor}/{region.kind}: tensor shape {tuple(tensor.shape)} != region "
+                                  f"lengths {region.lengths}")
+        self._data[region] = tensor
+
+    def get(self, region: Region) -> torch.Tensor:
+        try:
+            return self._data[region]
+        except KeyError:
+            raise TransitionError(f"this rank holds no region {region.tensor}/{region.kind} at {region.offsets}"
+                                  f"+{region.lengths}") from None
+
+    def find(self, model: str, tensor: str, kind: str) -> tuple[Region, torch.Tensor] | None:
+        for r, t in self._data.items():
+            if r.key == (model, tensor, kind):
+                return r, t
+        return None
+
+    def covering(self, region: Region) -> tuple[Region, torch.Tensor]:
+        """A held region containing ``region`` (a transfer's source may be a sub-slice)."""
+        for r, t in self._data.items():
+            if contains(r, region):
+                return r, t
+        raise TransitionError(f"this rank holds nothing covering {region.tensor}/{region.kind} at "
+                              f"{region.offsets}+{region.lengths}")
+
+    def read(self, region: Region) -> torch.Tensor:
+        outer, t = self.covering(region)
+        return t[region_slices(outer, region)]
+
+    def replace(self, regions: Iterable[tuple[Region, torch.Tensor]]) -> None:
+        """Commit: the new contents replace the old ones at once (old tensors are freed)."""
+        self._data = dict(regions)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._data.values())
+
+    def checksums(self) -> dict[Region, int]:
+        return {r: checksum(t) for r, t in self.items()}

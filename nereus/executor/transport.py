@@ -1,0 +1,191 @@
+"""Transports: how the bytes of a transition round move between ranks.
+
+Protocol (every rank of the transition, once per round, same order on all ranks):
+``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``.
+Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
+travel as one flat message, in submission order, so thousands of small regions are a handful of
+messages. Both sides submit in op-id order, so the buckets line up without any header.
+``agree(ok)`` is the commit vote (all ranks ok -> True) and ``max_int`` spreads a scalar (the Adam
+step count). ``close`` drops pending work.
+
+- ``DistTransport``: torch.distributed ``batch_isend_irecv``; gloo on CPU tensors, NCCL on CUDA
+  tensors (the same code path, the device decides). ``GlooTransport``/``NcclTransport`` are names for it.
+- ``MockTransport``: threads in one process sharing a ``MockHub``; used by unit tests.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+
+from nereus.errors import TransitionError
+
+
+class Transport(ABC):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._recvs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self.messages = 0
+        self.bytes_sent = 0
+
+    def submit_send(self, peer: int, tensor: torch.Tensor) -> None:
+        self._sends[(peer, tensor.dtype)].append(tensor)
+
+    def submit_recv(self, peer: int, tensor: torch.Tensor) -> None:
+        self._recvs[(peer, tensor.dtype)].append(tensor)
+
+    def run(self, timeout_s: float) -> None:
+        """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
+        sends = {k: _pack(v) for k, v in sorted(self._sends.items(), key=_key)}
+        recvs = {k: torch.empty(sum(t.numel() for t in v), dtype=k[1], device=v[0].device)
+                 for k, v in sorted(self._recvs.items(), key=_key)}
+        pending = self._recvs
+        self._sends, self._recvs = defaultdict(list), defaultdict(list)
+        if not sends and not recvs:
+            return
+        self.messages += len(sends)
+        self.bytes_sent += sum(b.numel() * b.element_size() for b in sends.values())
+        self._exchange(sends, recvs, timeout_s)
+        for k, flat in recvs.items():
+            _unpack(flat, pending[k])
+
+    @abstractmethod
+    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None: ...
+
+    @abstractmethod
+    def agree(self, ok: bool, timeout_s: float) -> bool: ...
+
+    @abstractmethod
+    def max_int(self, value: int, timeout_s: float) -> int: ...
+
+    def close(self) -> None:
+        self._sends.clear()
+        self._recvs.clear()
+
+
+def _key(item) -> tuple[int, str]:
+    (peer, dtype), _ = item
+    return peer, str(dtype)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0].contiguous().view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
+    pos = 0
+    for t in into:
+        n = t.numel()
+        t.copy_(flat[pos:pos + n].view(t.shape))
+        pos += n
+
+
+class DistTransport(Transport):
+    """torch.distributed point-to-point; works for gloo (CPU) and NCCL (CUDA) alike."""
+
+    def __init__(self, rank: int, group=None) -> None:
+        super().__init__(rank)
+        self.group = group
+
+    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for (peer, _), buf in sends.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for (peer, _), buf in recvs.items()]
+        try:
+            works = dist.batch_isend_irecv(ops)
+            for w in works:
+                if not w.wait(timedelta(seconds=timeout_s)):
+                    raise TransitionError(f"rank {self.rank}: a peer did not answer within {timeout_s:g} s")
+        except TransitionError:
+            raise
+        except RuntimeError as e:
+            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+
+    def _all_reduce(self, value: int, op, timeout_s: float) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            t = t.cuda()
+        try:
+            w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+            if not w.wait(timedelta(seconds=timeout_s)):
+                raise TransitionError(f"rank {self.rank}: commit vote timed out after {timeout_s:g} s")
+        except RuntimeError as e:
+            raise TransitionError(f"rank {self.rank}: commit vote failed: {str(e).splitlines()[0]}") from e
+        return int(t.item())
+
+    def agree(self, ok: bool, timeout_s: float) -> bool:
+        import torch.distributed as dist
+
+        return self._all_reduce(int(ok), dist.ReduceOp.MIN, timeout_s) == 1
+
+    def max_int(self, value: int, timeout_s: float) -> int:
+        import torch.distributed as dist
+
+        return self._all_reduce(value, dist.ReduceOp.MAX, timeout_s)
+
+
+GlooTransport = DistTransport
+NcclTransport = DistTransport
+
+
+class MockHub:
+    """Shared mailboxes for ``world`` in-process ranks (one thread each)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.boxes: dict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
+        self._lock = threading.Lock()
+        self._votes: list[int] = []
+        self._result: list[int] = []
+        self._barrier = threading.Barrier(world)
+
+
+class MockTransport(Transport):
+    """In-process transport: a send clones into the peer's mailbox; a receive waits on it."""
+
+    def __init__(self, rank: int, hub: MockHub) -> None:
+        super().__init__(rank)
+        self.hub = hub
+
+    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
+        with self.hub._lock:
+            for (peer, _), buf in sends.items():
+                self.hub.boxes[(self.rank, peer)].put(buf.clone())
+        for (peer, _), buf in recvs.items():
+            try:
+                got = self.hub.boxes[(peer, self.rank)].get(timeout=timeout_s)
+            except queue.Empty:
+                raise TransitionError(f"rank {self.rank}: peer {peer} did not answer within {timeout_s:g} s") from None
+            if got.numel() != buf.numel():
+                raise TransitionError(f"rank {self.rank}: bucket from {peer} has {got.numel()} elements, expected "
+                                      f"{buf.numel()}")
+            buf.copy_(got)
+
+    def _reduce(self, value: int, fn, timeout_s: float) -> int:
+        hub = self.hub
+        try:
+            with hub._lock:
+                hub._votes.append(value)
+            if hub._barrier.wait(timeout=timeout_s) == 0:
+                hub._result[:] = [fn(hub._votes)]
+                hub._votes.clear()
+            hub._barrier.wait(timeout=timeout_s)
+            return hub._result[0]
+        except threading.BrokenBarrierError:
+            raise TransitionError(f"rank {self.rank}: commit vote timed out after {timeout_s:g} s") from None
+
+    def agree(self, ok: bool, timeout_s: float) -> bool:
+        return self._reduce(int(ok), min, timeout_s) == 1
+
+    def max_int(self, value: int, timeout_s: float) -> int:
+        return self._reduce(value, max, timeout_s)
