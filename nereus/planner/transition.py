@@ -399,9 +399,10 @@ def transition_graph(result: TransitionResult):
     for i, (gpu, nbytes, readers) in enumerate(p.free_groups):
         node = f"free:g{gpu}:#{i}"
         when = s.staged.get(gpu, max(s.end[r] for r in readers))
-        g.add_node(node, kind="free", gpu=gpu, nbytes=int(nbytes), time_s=when)
-        for r in readers:
-            g.add_edge(step[r], node, kind="data")
+        g.add_node(node, kind="free", gpu=gpu, nbytes=int(nbytes), time_s=when, staged=gpu in s.staged)
+        for r in readers:  # staged state is read from host memory after it has left the GPU
+            g.add_edge(*((node, f"send:g{gpu}->g{p.dst[r]}" if p.dst[r] != gpu else step[r]) if gpu in s.staged
+                         else (step[r], node)), kind="data")
         if gpu in tight:
             for t in range(p.n):
                 if p.dst[t] == gpu and s.start[t] >= when:
