@@ -20,30 +20,32 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Iterator, Mapping
 
 from nereus.errors import TransitionError
 from nereus.models.inventory import TensorInfo, tensor_inventory
 from nereus.planner.cost_params import CostParams
-from nereus.planner.emu import head_of, kinds_of, layer_stages, shard_box, stages_holding
+from nereus.planner.emu import OPTIMIZER_KINDS, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.regions import BoxIndex, intersect, volume
-from nereus.planner.specs import ClusterSpec, JobSpec
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
 from nereus.planner.transition_types import DTYPE_BYTES, TransitionPlan
 
 
 @dataclass(frozen=True, slots=True)
 class Template:
-    """One tensor kind planned once for ``len(tensors)`` layers with identical shards."""
+    """Tensor kinds with identical shards and dtype (e.g. master, exp_avg, exp_avg_sq), planned
+    once for ``len(tensors)`` layers whose stages in A and in B are the same."""
 
     model: str
     tensors: tuple[str, ...]
-    kind: str
+    kinds: tuple[str, ...]
     dtype: str
 
     @property
     def mult(self) -> int:
-        return len(self.tensors)
+        return len(self.tensors) * len(self.kinds)
 
 
 @dataclass(slots=True)
@@ -87,38 +89,81 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
             yield t, tuple(f"layers.{i}.{suffix}" for i in layers)
 
 
-def _holder_map(job: JobSpec, role: str, t: TensorInfo, kind: str, p: StagePlacement) -> dict[tuple, list[int]]:
+@lru_cache(maxsize=65536)
+def _box_grid(shape: tuple[int, ...], tp_dim: int | None, tp_max: int | None, sharded: bool, tp: int, dp: int,
+              zero: int) -> tuple[tuple[int, int, tuple], ...]:
+    """(tp_rank, dp_rank, box) of every shard of a tensor under (tp, dp, zero): it depends on the
+    tensor's shape and split only, not on its name or stage, so it is computed once."""
+    t = TensorInfo("t", shape, tp_dim, tp_max, None, "layer")
+    zsplit = sharded and zero >= 1 and dp > 1
+    out = []
+    tp_boxes = [tp_box(t, tp, r) for r in range(tp)]
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            box = zero_box(tp_boxes[tp_rank], dp, dp_rank) if zsplit else tp_boxes[tp_rank]
+            if box is not None:
+                out.append((tp_rank, dp_rank, box))
+    return tuple(out)
+
+
+def _holder_map(job: JobSpec, role: str, t: TensorInfo, sharded: bool, p: StagePlacement) -> dict[tuple, list[int]]:
     """Box -> GPUs holding it (ascending), for one tensor kind under placement ``p``."""
     model, c = job.model(role), p.config
     out: dict[tuple, list[int]] = {}
+    grid = _box_grid(t.shape, t.tp_dim, t.tp_max, sharded, c.tp, c.dp, c.zero)
     for s in stages_holding(model, t, c.pp, head_of(role)):
-        for dp_rank in range(c.dp):
-            for tp_rank in range(c.tp):
-                box = shard_box(t, kind, p, tp_rank, dp_rank)
-                if box is not None:
-                    out.setdefault(box, []).append(p.gpu_of(tp_rank, s, dp_rank))
+        base = p.first_gpu + c.tp * c.dp * s
+        for tp_rank, dp_rank, box in grid:
+            out.setdefault(box, []).append(base + tp_rank + c.tp * dp_rank)
     for v in out.values():
         v.sort()
     return out
 
 
+def _kind_groups(role: str, mixed_precision: bool, include_optimizer: bool) -> list[tuple[tuple[str, ...], str, bool]]:
+    """Kinds that share boxes and dtype: (kinds, dtype, zero-sharded)."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for kind, dtype in kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer):
+        groups.setdefault((dtype, kind in OPTIMIZER_KINDS), []).append(kind)
+    return [(tuple(k), d, sh) for (d, sh), k in groups.items()]
+
+
+def same_holdings(pa: StagePlacement, pb: StagePlacement) -> bool:
+    """True when two placements hold exactly the same regions on the same GPUs (ZeRO 1, 2 and 3
+    shard the optimizer state alike, see emu.py)."""
+    ca, cb = pa.config, pb.config
+    return (pa.first_gpu, ca.tp, ca.pp, ca.dp, min(ca.zero, 1)) == (pb.first_gpu, cb.tp, cb.pp, cb.dp, min(cb.zero, 1))
+
+
 def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
-                   include_optimizer: bool = True) -> Pieces:
+                   include_optimizer: bool = True, skip_unchanged: bool = False) -> Pieces:
     """Every destination box of B split into pieces by the source boxes of A, classified as
-    kept (same box, same GPU), local copy (the GPU holds a larger box containing it) or move."""
+    kept (same box, same GPU), local copy (the GPU holds a larger box containing it) or move.
+    ``skip_unchanged`` leaves out models whose holdings do not change (cost estimates only)."""
     out = Pieces()
     for role in job.roles:
         pa, pb = plan_a.home(role), plan_b.home(role)
-        for kind, dtype in kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer):
+        if skip_unchanged and same_holdings(pa, pb):
+            continue
+        for kinds, dtype, sharded in _kind_groups(role, mixed_precision, include_optimizer):
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
-                out.templates.append(Template(role, names, kind, dtype))
-                _template_pieces(out, ti, _holder_map(job, role, t, kind, pa), _holder_map(job, role, t, kind, pb),
-                                 DTYPE_BYTES[dtype] * len(names))
+                out.templates.append(Template(role, names, kinds, dtype))
+                _template_pieces(out, ti, _holder_map(job, role, t, sharded, pa), _holder_map(job, role, t, sharded, pb),
+                                 DTYPE_BYTES[dtype] * len(names) * len(kinds))
     return out
 
 
 def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, unit_bytes: int) -> None:
+    if src == dst:  # nothing changes for this tensor kind: every holding is kept in place
+        for box, gpus in dst.items():
+            b = volume(box[1]) * unit_bytes
+            out.dst_bytes += b * len(gpus)
+            out.bytes_kept += b * len(gpus)
+            for g in gpus:
+                out.kept.append((ti, box, g))
+                out.src_units.append((ti, box, g, b, True))
+        return
     index = BoxIndex(src.keys())
     src_sets = {box: frozenset(g) for box, g in src.items()}
     kept_at: set[tuple[tuple, int]] = set()
@@ -151,13 +196,18 @@ def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_int
     Returns the resulting send time per GPU."""
     load: dict[int, float] = {}
     flex: list[tuple[float, int, list, tuple]] = []
-    node = cluster.node_of
+    gpn = cluster.gpus_per_node
+    split: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for i, m in enumerate(pieces.moves):
         dst, cands = m[1], m[4]
         if m[5] >= 0:
             continue  # local copy: no link used
-        same = tuple(c for c in cands if node(c) == node(dst))
-        cands = same or tuple(cands)
+        key = (id(cands), dst // gpn)
+        hit = split.get(key)
+        if hit is None:  # candidate lists are shared objects: split each by node once
+            hit = split[key] = (tuple(c for c in cands if c // gpn == dst // gpn), tuple(cands))
+        same = hit[0]
+        cands = same or hit[1]
         cost = m[6] / (bw_intra if same else bw_inter)
         if len(cands) == 1:
             m[5] = cands[0]
@@ -261,7 +311,7 @@ def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSp
 
 
 def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan) -> float:
-    pieces = compute_pieces(job, plan_a, plan_b)
+    pieces = compute_pieces(job, plan_a, plan_b, skip_unchanged=True)
     bw_intra, bw_inter = link_bandwidths(cluster)
     send = choose_sources(pieces, cluster, bw_intra, bw_inter)
     recv: dict[int, float] = {}
@@ -335,15 +385,17 @@ def assemble(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, pie
                 ti, d, cut, _, _, s, _ = pieces.moves[i]
                 tm = pieces.templates[ti]
                 b = volume(cut[1]) * DTYPE_BYTES[tm.dtype]
-                for name in tm.tensors:
-                    raw.append((Region(tm.model, name, tm.kind, cut[0], cut[1], tm.dtype), d, s, rounds[t], clock, clock + b * rate))
-                    clock += b * rate
+                for kind in tm.kinds:
+                    for name in tm.tensors:
+                        raw.append((Region(tm.model, name, kind, cut[0], cut[1], tm.dtype), d, s, rounds[t], clock,
+                                    clock + b * rate))
+                        clock += b * rate
         raw.sort(key=lambda r: (r[0], r[1], r[2]))
         ops = tuple(sorted((TransferOp(round=r[3], op_id=i, src_gpu=r[2], dst_gpu=r[1], region=r[0], start_s=r[4], end_s=r[5])
                             for i, r in enumerate(raw)), key=lambda o: (o.round, o.op_id)))
-        kept = tuple(sorted(Holding(g, Region(pieces.templates[ti].model, name, pieces.templates[ti].kind, box[0], box[1],
-                                              pieces.templates[ti].dtype))
-                            for ti, box, g in pieces.kept for name in pieces.templates[ti].tensors))
+        tms = pieces.templates
+        kept = tuple(sorted(Holding(g, Region(tms[ti].model, name, kind, box[0], box[1], tms[ti].dtype))
+                            for ti, box, g in pieces.kept for kind in tms[ti].kinds for name in tms[ti].tensors))
         src = holdings(job, plan_a, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
         dst = holdings(job, plan_b, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
     peak = replay_peak(problem, sched)
