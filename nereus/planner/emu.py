@@ -11,7 +11,8 @@ regions its tp x pp GPUs hold. Rules (same as the executor's shard store):
   under mixed precision, an fp32 ``master`` copy of the bf16 param; without mixed precision
   every kind is fp32 and there is no master. Frozen models (ref, reward) carry ``param`` only.
 - ZeRO >= 1 shards the optimizer kinds (and master) along DP on dim 0 of each TP shard
-  (``split_range``); a DP rank whose share is empty (a 1-row value head, dp > 1) holds nothing.
+  (``split_range``); ZeRO-3 shards the param the same way (FSDP). A DP rank whose share is
+  empty (a 1-row value head, dp > 1) holds nothing. ZeRO applies to training stages only.
 - Critic and reward models have ``head="value"``.
 
 Worked example: Llama-3.1-8B actor, tp=4 pp=1 dp=2 ZeRO-1, GPU 5 = (tp 1, dp 1). Its
@@ -67,12 +68,18 @@ def zero_box(box: Box, dp: int, dp_rank: int) -> Box | None:
     return (off[0] + o,) + off[1:], (n,) + ln[1:]
 
 
+def dp_sharded(kind: str, p: StagePlacement) -> bool:
+    """Whether ``kind`` is split along DP under ``p``: optimizer kinds from ZeRO-1 on, params too
+    under ZeRO-3 (FSDP) of a training stage; frozen models' inference stages never shard."""
+    if p.config.dp == 1 or p.stage != "training":
+        return False
+    return p.config.zero >= (1 if kind in OPTIMIZER_KINDS else 3)
+
+
 def shard_box(t: TensorInfo, kind: str, p: StagePlacement, tp_rank: int, dp_rank: int) -> Box | None:
     """Box of ``t``'s ``kind`` on the GPU at (tp_rank, dp_rank) of placement ``p``."""
     box = tp_box(t, p.config.tp, tp_rank)
-    if kind in OPTIMIZER_KINDS and p.config.zero >= 1 and p.config.dp > 1:
-        return zero_box(box, p.config.dp, dp_rank)
-    return box
+    return zero_box(box, p.config.dp, dp_rank) if dp_sharded(kind, p) else box
 
 
 @lru_cache(maxsize=4096)

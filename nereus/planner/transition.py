@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 from nereus.errors import TransitionError
 from nereus.models.inventory import TensorInfo, tensor_inventory
 from nereus.planner.cost_params import CostParams
-from nereus.planner.emu import OPTIMIZER_KINDS, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
+from nereus.planner.emu import OPTIMIZER_KINDS, dp_sharded, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.regions import BoxIndex, intersect, volume
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
@@ -90,12 +90,11 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
 
 
 @lru_cache(maxsize=65536)
-def _box_grid(shape: tuple[int, ...], tp_dim: int | None, tp_max: int | None, sharded: bool, tp: int, dp: int,
-              zero: int) -> tuple[tuple[int, int, tuple], ...]:
-    """(tp_rank, dp_rank, box) of every shard of a tensor under (tp, dp, zero): it depends on the
-    tensor's shape and split only, not on its name or stage, so it is computed once."""
+def _box_grid(shape: tuple[int, ...], tp_dim: int | None, tp_max: int | None, zsplit: bool, tp: int,
+              dp: int) -> tuple[tuple[int, int, tuple], ...]:
+    """(tp_rank, dp_rank, box) of every shard of a tensor under (tp, dp, DP-sharded or not): it
+    depends on the tensor's shape and split only, not on its name or stage, so it is computed once."""
     t = TensorInfo("t", shape, tp_dim, tp_max, None, "layer")
-    zsplit = sharded and zero >= 1 and dp > 1
     out = []
     tp_boxes = [tp_box(t, tp, r) for r in range(tp)]
     for dp_rank in range(dp):
@@ -106,11 +105,11 @@ def _box_grid(shape: tuple[int, ...], tp_dim: int | None, tp_max: int | None, sh
     return tuple(out)
 
 
-def _holder_map(job: JobSpec, role: str, t: TensorInfo, sharded: bool, p: StagePlacement) -> dict[tuple, list[int]]:
+def _holder_map(job: JobSpec, role: str, t: TensorInfo, kind: str, p: StagePlacement) -> dict[tuple, list[int]]:
     """Box -> GPUs holding it (ascending), for one tensor kind under placement ``p``."""
     model, c = job.model(role), p.config
     out: dict[tuple, list[int]] = {}
-    grid = _box_grid(t.shape, t.tp_dim, t.tp_max, sharded, c.tp, c.dp, c.zero)
+    grid = _box_grid(t.shape, t.tp_dim, t.tp_max, dp_sharded(kind, p), c.tp, c.dp)
     for s in stages_holding(model, t, c.pp, head_of(role)):
         base = p.first_gpu + c.tp * c.dp * s
         for tp_rank, dp_rank, box in grid:
@@ -120,19 +119,20 @@ def _holder_map(job: JobSpec, role: str, t: TensorInfo, sharded: bool, p: StageP
     return out
 
 
-def _kind_groups(role: str, mixed_precision: bool, include_optimizer: bool) -> list[tuple[tuple[str, ...], str, bool]]:
-    """Kinds that share boxes and dtype: (kinds, dtype, zero-sharded)."""
+def _kind_groups(role: str, mixed_precision: bool, include_optimizer: bool) -> list[tuple[tuple[str, ...], str]]:
+    """Kinds that share boxes and dtype under every layout: (kinds, dtype)."""
     groups: dict[tuple[str, bool], list[str]] = {}
     for kind, dtype in kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer):
         groups.setdefault((dtype, kind in OPTIMIZER_KINDS), []).append(kind)
-    return [(tuple(k), d, sh) for (d, sh), k in groups.items()]
+    return [(tuple(k), d) for (d, _), k in groups.items()]
 
 
 def same_holdings(pa: StagePlacement, pb: StagePlacement) -> bool:
-    """True when two placements hold exactly the same regions on the same GPUs (ZeRO 1, 2 and 3
-    shard the optimizer state alike, see emu.py)."""
+    """True when two placements hold exactly the same regions on the same GPUs (ZeRO 1 and 2
+    shard alike, see emu.py)."""
     ca, cb = pa.config, pb.config
-    return (pa.first_gpu, ca.tp, ca.pp, ca.dp, min(ca.zero, 1)) == (pb.first_gpu, cb.tp, cb.pp, cb.dp, min(cb.zero, 1))
+    return ((pa.first_gpu, ca.tp, ca.pp, ca.dp) == (pb.first_gpu, cb.tp, cb.pp, cb.dp)
+            and all(dp_sharded(k, pa) == dp_sharded(k, pb) for k in ("param", "exp_avg")))
 
 
 def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
@@ -145,11 +145,11 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
         pa, pb = plan_a.home(role), plan_b.home(role)
         if skip_unchanged and same_holdings(pa, pb):
             continue
-        for kinds, dtype, sharded in _kind_groups(role, mixed_precision, include_optimizer):
+        for kinds, dtype in _kind_groups(role, mixed_precision, include_optimizer):
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
                 out.templates.append(Template(role, names, kinds, dtype))
-                _template_pieces(out, ti, _holder_map(job, role, t, sharded, pa), _holder_map(job, role, t, sharded, pb),
+                _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa), _holder_map(job, role, t, kinds[0], pb),
                                  DTYPE_BYTES[dtype] * len(names) * len(kinds))
     return out
 

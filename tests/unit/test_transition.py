@@ -39,7 +39,7 @@ def layout(draw, layers: int):
     first = draw(st.integers(0, 8 // size - 1)) * size
     tp = draw(st.sampled_from([t for t in (1, 2, 4) if size % t == 0]))
     pp = draw(st.sampled_from([p for p in (1, 2, 4) if (size // tp) % p == 0 and p <= layers]))
-    return first, tp, pp, size // (tp * pp), draw(st.sampled_from([0, 1]))
+    return first, tp, pp, size // (tp * pp), draw(st.sampled_from([0, 1, 3]))
 
 
 @st.composite
