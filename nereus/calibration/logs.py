@@ -1,0 +1,251 @@
+"""Job-log ingestion: per-step timing logs that RL frameworks already write, turned into per-stage
+correction factors for the cost model, so a user can calibrate against their own cluster from
+logs alone.
+
+Accepted formats: JSONL (one JSON object per line, e.g. verl's file logger or a W&B export) and
+CSV with a header row. Accepted keys (anything else is reported once and ignored):
+
+================================  =====================================================
+key                               meaning
+================================  =====================================================
+``timing_s/gen``                  actor/generation seconds (verl; also ``timing_s/generate_sequences``)
+``timing_s/old_log_prob``         actor/inference seconds (verl)
+``timing_s/ref``                  ref/inference seconds (verl; also ``timing_s/ref_log_prob``)
+``timing_s/values``               critic/inference seconds (verl)
+``timing_s/reward``               reward/inference seconds (verl; a model reward)
+``timing_s/update_actor``         actor/training seconds (verl)
+``timing_s/update_critic``        critic/training seconds (verl)
+``time_s/<model>/<stage>``        the same, Nereus's own spelling (e.g. ``time_s/actor/training``)
+``response_length/mean``          mean response tokens this step (required)
+``response_length/max``           longest response this step (default: the job's cap)
+``prompt_length/mean``            mean prompt tokens (default: the job's prompt_len)
+``step``, ``training/global_step``  step number (default: line order)
+``timing_s/step`` and other ``timing_s/*``  known verl timers without a model-stage: ignored quietly
+================================  =====================================================
+
+Bad input never loses good rows: a malformed line, a non-numeric value or a row without
+``response_length/mean`` is skipped with a message naming the line; missing timers leave that
+model-stage empty for the row.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from nereus.errors import SpecError
+
+STAGE_KEYS: dict[str, str] = {
+    "timing_s/gen": "actor/generation", "timing_s/generate_sequences": "actor/generation",
+    "timing_s/old_log_prob": "actor/inference", "timing_s/ref": "ref/inference",
+    "timing_s/ref_log_prob": "ref/inference", "timing_s/values": "critic/inference",
+    "timing_s/reward": "reward/inference", "timing_s/update_actor": "actor/training",
+    "timing_s/update_critic": "critic/training",
+}
+WORKLOAD_KEYS = {"response_length/mean": "response_len_mean", "response_length/max": "response_len_max",
+                 "prompt_length/mean": "prompt_len"}
+STEP_KEYS = ("step", "training/global_step")
+REQUIRED = "response_length/mean"
+
+
+def stage_of_key(key: str) -> str | None:
+    if key in STAGE_KEYS:
+        return STAGE_KEYS[key]
+    if key.startswith("time_s/") and key.count("/") == 2:
+        return key[len("time_s/"):]
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogTable:
+    """Good rows of a job log (one per step) and every problem met while reading it."""
+
+    frame: pd.DataFrame
+    """Columns: step, prompt_len, response_len_mean, response_len_max, then one column of seconds
+    per model-stage found (NaN where a row lacks it)."""
+    issues: tuple[str, ...]
+    source: str
+    lines: int
+
+    @property
+    def model_stages(self) -> tuple[str, ...]:
+        return tuple(c for c in self.frame.columns if "/" in c)
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, str) and v.strip():
+        try:
+            x = float(v)
+            return x if math.isfinite(x) else None
+        except ValueError:
+            return None
+    return None
+
+
+def _row(record: Mapping[str, Any], where: str, issues: list[str], unknown: set[str]) -> dict[str, float] | None:
+    out: dict[str, float] = {}
+    for key, raw in record.items():
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            continue  # an empty CSV cell is a missing value, not an error
+        stage = stage_of_key(key)
+        field = stage or WORKLOAD_KEYS.get(key) or ("step" if key in STEP_KEYS else None)
+        if field is None:
+            if not key.startswith("timing_s/"):
+                unknown.add(key)
+            continue
+        x = _number(raw)
+        if x is None or x < 0:
+            issues.append(f"{where}: {key}={raw!r} is not a non-negative number; value dropped")
+            continue
+        out[field] = x
+    if "response_len_mean" not in out:
+        issues.append(f"{where}: missing {REQUIRED}; row skipped")
+        return None
+    if not any("/" in k for k in out):
+        issues.append(f"{where}: no stage timer (e.g. timing_s/gen, timing_s/update_actor); row skipped")
+        return None
+    return out
+
+
+def _records(path: Path, text: str, issues: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
+    if path.suffix.lower() == ".csv":
+        reader = csv.reader(text.splitlines())
+        try:
+            header = next(reader)
+        except StopIteration:
+            return []
+        out = []
+        for n, cells in enumerate(reader, start=2):
+            if not any(c.strip() for c in cells):
+                continue
+            if len(cells) != len(header):
+                issues.append(f"line {n}: {len(cells)} fields, header has {len(header)}; row skipped")
+                continue
+            out.append((f"line {n}", dict(zip(header, cells))))
+        return out
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            issues.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno}); row skipped")
+            continue
+        if not isinstance(rec, dict):
+            issues.append(f"line {n}: expected a JSON object, got {type(rec).__name__}; row skipped")
+            continue
+        out.append((f"line {n}", rec))
+    return out
+
+
+def read_log(path: str | Path) -> LogTable:
+    """Read a JSONL or CSV job log. Raises only when the file is missing or has no usable row."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"job log not found: {p}") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise SpecError(f"job log {p}: cannot read as text ({type(e).__name__})") from None
+    issues: list[str] = []
+    unknown: set[str] = set()
+    recs = _records(p, text, issues)
+    rows = []
+    for where, rec in recs:
+        r = _row(rec, where, issues, unknown)
+        if r is not None:
+            rows.append(r)
+    if unknown:
+        shown = sorted(unknown)
+        more = f" and {len(shown) - 12} more" if len(shown) > 12 else ""
+        issues.append(f"ignored {len(shown)} unknown key(s): {', '.join(shown[:12])}{more}")
+    if not rows:
+        detail = f"; first problem: {issues[0]}" if issues else ""
+        raise SpecError(f"job log {p}: no usable rows in {len(recs)} record(s){detail}")
+    df = pd.DataFrame(rows)
+    if "step" not in df:
+        df["step"] = np.arange(len(df), dtype=float)
+    df["step"] = df["step"].fillna(pd.Series(np.arange(len(df), dtype=float)))
+    stages = sorted(c for c in df.columns if "/" in c)
+    base = [c for c in ("step", "prompt_len", "response_len_mean", "response_len_max") if c in df]
+    return LogTable(frame=df[base + stages].reset_index(drop=True), issues=tuple(issues), source=str(p),
+                    lines=len(text.splitlines()))
+
+
+# ---- fit ---------------------------------------------------------------------------------------------
+def row_workload(job: Any, row: Mapping[str, Any]) -> Any:
+    """The job's workload with this step's observed lengths."""
+    w = job.workload()
+    mx = row.get("response_len_max")
+    mx = int(mx) if mx is not None and not math.isnan(mx) and mx >= 1 else w.response_len_max
+    mean = min(float(row["response_len_mean"]), mx)
+    w = w.with_lengths(mean=max(mean, 1.0), max_=mx)
+    pl = row.get("prompt_len")
+    if pl is not None and not math.isnan(pl) and pl >= 1:
+        from dataclasses import replace
+
+        w = replace(w, prompt_len=int(round(pl)))
+    return w
+
+
+def fit_from_logs(table: LogTable, job: Any, cluster: Any, configs: Mapping[str, Any], params: Any = None,
+                  heldout_every: int = 4) -> dict[str, Any]:
+    """Per-stage correction factors that bring ``cost.estimate`` onto the logged times.
+
+    ``configs`` maps each model-stage to the ParallelConfig it ran with. Every ``heldout_every``-th
+    row (by position) is held out and scores the fit. Returns the fitted CostParams, the factors,
+    and an error table (analytic = ``params`` as given, predicted = with fitted factors)."""
+    from dataclasses import replace as _replace
+
+    from nereus.calibration.fit import fit_positive, mape
+    from nereus.planner.cost import estimate
+    from nereus.planner.cost_params import STAGES, CostParams
+
+    base = params or CostParams()
+    base = base.with_stage_factors(**{s: 1.0 for s in STAGES})
+    points = []  # (row position, model-stage, stage, measured, unit prediction)
+    for i, row in enumerate(table.frame.to_dict("records")):
+        w = row_workload(job, row)
+        for ms in table.model_stages:
+            t = row.get(ms)
+            if t is None or math.isnan(t) or t <= 0:
+                continue
+            if ms not in configs:
+                raise SpecError(f"log has {ms} timings but no parallel config for it (plan or --tp/--pp/--dp)")
+            unit = estimate(job, cluster, ms, configs[ms], w, base).time_s
+            if math.isfinite(unit) and unit > 0:
+                points.append((i, ms, ms.split("/")[1], float(t), unit))
+    if not points:
+        raise SpecError(f"job log {table.source}: no row has a stage time the job can predict")
+    held = [p for p in points if p[0] % heldout_every == heldout_every - 1]
+    fit_pts = [p for p in points if p[0] % heldout_every != heldout_every - 1] or points
+    stages = [s for s in STAGES if any(p[2] == s for p in fit_pts)]
+    names = [f"factor_{s}" for s in stages]
+
+    def predict(v: dict[str, float], pts: list) -> np.ndarray:
+        return np.array([p[4] * v.get(f"factor_{p[2]}", 1.0) for p in pts])
+
+    pf = fit_positive(names, [1.0] * len(names), lambda v: predict(v, fit_pts), [p[3] for p in fit_pts])
+    factors = {n[len("factor_"):]: x for n, x in pf.as_dict().items()}
+    fitted = _replace(params or CostParams()).with_stage_factors(**factors)
+    before_f = dict((params or CostParams()).stage_factor)
+    rows = [{"what": f"step {table.frame['step'].iloc[p[0]]:g} {p[1]}", "stage": p[2], "measured_s": p[3],
+             "analytic_s": p[4] * before_f.get(p[2], 1.0), "predicted_s": p[4] * factors.get(p[2], 1.0)}
+            for p in held]
+    err = pd.DataFrame(rows, columns=["what", "stage", "measured_s", "analytic_s", "predicted_s"])
+    err["ratio"] = err["predicted_s"] / err["measured_s"]
+    return {"params": fitted, "factors": factors, "fit_points": len(fit_pts), "fit_mape": pf.fit_mape,
+            "table": err, "summary": {"mape_before": mape(err["analytic_s"], err["measured_s"]),
+                                      "mape_after": mape(err["predicted_s"], err["measured_s"]),
+                                      "points": int(len(err))}}
