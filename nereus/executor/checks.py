@@ -58,23 +58,67 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
             "regions": len(store), "logits_max_diff": diff, "compared_logits": logits_a is not None and logits_b is not None}
 
 
-def train_run(rank: int, world: int, job: JobSpec, phases: list[tuple[Plan, int]], tplans: list[TransitionPlan],
-              seed: int, rows: int = 8, cols: int = 12) -> dict:
-    """Train ``k_i`` steps in plan i, transitioning between phases with ``tplans[i]``.
-    The batch of global step s is seeded by s, so any run sees the same data."""
+def reshard_chain(rank: int, world: int, job: JobSpec, plans: list[Plan], tplans: list[TransitionPlan],
+                  seed: int) -> list[dict]:
+    """Seeded state in ``plans[0]``, then every transition in turn. After each: bits of every
+    region against the never-resharded reference, and logits, log-probs and greedy and sampled
+    generations against those of ``plans[0]``."""
     model = job.model("actor")
+    ids = batch(model.vocab, 4, 12, seed + 1)
     store = ShardStore()
-    init_store(store, job, phases[0][0], rank, seed, roles=("actor",))
-    eng = Engine(rank, world, model, phases[0][0].home("actor"), store)
+    init_store(store, job, plans[0], rank, seed)
+    eng = Engine(rank, world, model, plans[0].home("actor"), store)
+
+    def outputs() -> dict:
+        return {"logits": eng.logits(ids), "logprobs": eng.logprobs(ids),
+                "greedy": eng.generate(ids[:, :5], 4), "sampled": eng.generate(ids[:, :5], 4, temperature=1.0, seed=3)}
+
+    first = outputs()
+    out = []
+    for plan, tplan in zip(plans[1:], tplans):
+        report = eng.apply_transition(tplan, plan.home("actor"))
+        now = outputs()
+        res = {"rank": rank, "mismatches": mismatches(store, job, seed), "regions": len(store),
+               "bytes_sent": report.bytes_sent, "bytes_copied": report.bytes_copied, "messages": report.messages,
+               "in_pool": eng.in_pool,
+               "bytes_held": eng.bytes_held()}
+        if first["logits"] is not None and now["logits"] is not None:
+            res["logits_max_diff"] = float((first["logits"] - now["logits"]).abs().max())
+            res["logprobs_max_diff"] = float((first["logprobs"] - now["logprobs"]).abs().max())
+            res["greedy_equal"] = bool(torch.equal(first["greedy"], now["greedy"]))
+            res["sampled_equal"] = bool(torch.equal(first["sampled"], now["sampled"]))
+        out.append(res)
+    return out
+
+
+def _train(eng: Engine, phases: list[tuple[Plan, int]], tplans: list[TransitionPlan], rows: int, cols: int) -> dict:
+    store, vocab = eng.store, eng.model.vocab
     losses: list[float | None] = []
-    moments: list[dict] = []
+    carried: list[dict] = []
     for i, (plan, steps) in enumerate(phases):
         if i > 0:
             before = {r: t.clone() for r, t in store.items() if r.kind != "param"}
+            step_before = store.step.get("actor")
             eng.apply_transition(tplans[i - 1], plan.home("actor"))
-            moments.append({"before": before, "after": {r: t.clone() for r, t in store.items() if r.kind != "param"}})
+            carried.append({"before": before, "after": {r: t.clone() for r, t in store.items() if r.kind != "param"},
+                            "step_before": step_before, "step_after": store.step.get("actor")})
         for _ in range(steps):
-            s = len(losses)
-            losses.append(eng.train_step(batch(model.vocab, rows, cols, 1000 + s)))
-    return {"rank": rank, "losses": losses, "step": store.step.get("actor"), "moments": moments,
-            "final": {r: t.detach().clone() for r, t in store.items()}}
+            losses.append(eng.train_step(batch(vocab, rows, cols, 1000 + len(losses))))
+    return {"losses": losses, "step": store.step.get("actor"), "carried": carried,
+            "final": {r: t.detach().clone() for r, t in store.items() if r.model == "actor"}}
+
+
+def train_run(rank: int, world: int, job: JobSpec, phases: list[tuple[Plan, int]], tplans: list[TransitionPlan],
+              seed: int, rows: int = 8, cols: int = 12, reference: bool = True) -> dict:
+    """Train ``k_i`` steps in plan i, transitioning between phases with ``tplans[i-1]``; then,
+    in the same processes from the same seed, the run that stays in ``phases[0]``'s plan for
+    as many steps. Step s trains on a batch seeded by s, so both runs see the same data."""
+    out = {"rank": rank}
+    total = sum(k for _, k in phases)
+    runs = [("moved", phases, tplans)] + ([("stayed", [(phases[0][0], total)], [])] if reference else [])
+    for name, ph, tps in runs:
+        store = ShardStore()
+        init_store(store, job, ph[0][0], rank, seed, random_moments=False)
+        eng = Engine(rank, world, job.model("actor"), ph[0][0].home("actor"), store)
+        out[name] = _train(eng, ph, tps, rows, cols)
+    return out

@@ -13,6 +13,9 @@ rebinds the model to it; nothing is rebuilt from disk.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from nereus.errors import SpecError
 from nereus.executor import model as M
 from nereus.executor.apply import ApplyReport, FaultSpec, apply_transition
 from nereus.executor.layout import OPT_KINDS, rank_regions
+from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
 from nereus.executor.parallel import PlacementGroups, all_reduce
 from nereus.executor.store import ShardStore, region_slices
@@ -39,6 +43,15 @@ class Engine:
                             "(replicated KV shards) is not supported by the reference transformer")
         self.rank, self.world, self.model, self.store = rank, world, model, store
         self.role, self.trainable, self.optim = role, trainable, optim or AdamW()
+        self.meter: MemoryMeter | None = None
+        """Optional per-rank memory accounting (KV cache, logits, saved activations)."""
+        self._bind(placement)
+
+    def rebind(self, placement: StagePlacement) -> None:
+        """Rebuild the model views after the shared store changed layout (a transition applied
+        for several models at once)."""
+        for t in self.w.values():
+            t.grad = None
         self._bind(placement)
 
     # ---- layout ----------------------------------------------------------------------------
@@ -130,14 +143,20 @@ class Engine:
             return None
         lo, n = self._rows(ids.shape[0])
         _, out = self._pipe_forward(ids[lo:lo + n])
+        if self.meter is not None and self.g.last_stage:
+            self.meter.observe(2 * out.numel() * out.element_size())  # logits + log-softmax
         part = _token_logprobs(out, ids[lo:lo + n]) if self.g.last_stage else None
         return self._share((ids.shape[0], ids.shape[1] - 1), lo, part, torch.float32)
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, seed: int = 0) -> torch.Tensor | None:
-        """Prompts [B, P] -> sequences [B, P + new_tokens] with a KV cache; greedy when temperature
-        is 0, else Gumbel-max sampling from a generator seeded with ``seed`` over the global batch,
-        so samples do not depend on the layout."""
+    def generate(self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 stop_targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Prompts [B, P] -> sequences [B, P + T] with a KV cache; greedy when temperature is 0,
+        else Gumbel-max sampling from a generator seeded with ``seed`` over the global batch, so
+        samples do not depend on the layout. With ``stop_targets`` [B, new_tokens] a sequence ends
+        at its first token that differs from its target (the environment ends the episode there),
+        and a replica stops decoding when all its sequences ended; T is then the longest run of any
+        replica (shorter rows are padded with their last token) instead of ``new_tokens``."""
         if not self.in_pool:
             return None
         B = prompts.shape[0]
@@ -146,8 +165,8 @@ class Engine:
         cache, tokens, cur = M.KVCache(), [prompts[lo:lo + n]], prompts[lo:lo + n]
         c, co = self.placement.config, self.g.coords
         head_rank = self.placement.gpu_of(co.tp_rank, c.pp - 1, co.dp_rank)
-        first_rank = self.placement.gpu_of(co.tp_rank, 0, co.dp_rank)
-        for _ in range(new_tokens):
+        alive = torch.ones(n, dtype=torch.bool)
+        for k in range(new_tokens):
             _, out = self._pipe_forward(cur, cache)
             nxt = torch.empty(n, dtype=torch.int64, device=self.store.device)
             if self.g.last_stage:
@@ -156,20 +175,41 @@ class Engine:
                     u = torch.rand((B, logits.shape[-1]), generator=gen)[lo:lo + n].clamp_(1e-20, 1.0)
                     logits = logits / temperature - torch.log(-torch.log(u))
                 nxt = logits.argmax(-1)
-                if c.pp > 1:
-                    dist.send(nxt, first_rank)
-            elif self.g.first_stage:
+                for s in range(c.pp - 1):  # every stage learns the tokens (inputs, stop decision)
+                    dist.send(nxt, self.placement.gpu_of(co.tp_rank, s, co.dp_rank))
+            else:
+                if temperature > 0:
+                    torch.rand((B, self.model.vocab), generator=gen)  # keep the generator in step
                 dist.recv(nxt, head_rank)
+            if stop_targets is not None:
+                nxt = torch.where(alive, nxt, tokens[-1][:, -1])
             cur = nxt[:, None]
             tokens.append(cur)
-        part = torch.cat(tokens, 1) if self.g.last_stage else None
-        return self._share((B, prompts.shape[1] + new_tokens), lo, part, torch.int64)
+            if self.meter is not None:
+                self.meter.observe(kv_cache_bytes(cache))
+            if stop_targets is not None:
+                alive &= nxt == stop_targets[lo:lo + n, k]
+                if not bool(alive.any()):
+                    break
+        steps = torch.tensor([len(tokens) - 1])
+        if stop_targets is not None:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.g.pool_group) if self.g.pool_group else None
+        width = int(steps[0])
+        seq = torch.cat(tokens, 1)
+        if seq.shape[1] < prompts.shape[1] + width:
+            seq = torch.cat([seq, seq[:, -1:].expand(-1, prompts.shape[1] + width - seq.shape[1])], 1)
+        part = seq if self.g.last_stage else None
+        return self._share((B, prompts.shape[1] + width), lo, part, torch.int64)
 
     # ---- training ----------------------------------------------------------------------------
-    def train_step(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> float | None:
+    def train_step(self, ids: torch.Tensor, weights: torch.Tensor | None = None,
+                   before_update: Callable[[], bool] | None = None) -> float | None:
         """One AdamW step on loss = -sum(weights * logprobs) / (B * (T-1)) over the global batch
         (weights default to 1: plain next-token cross-entropy; RL passes advantages). Returns the
-        global loss on every pool rank."""
+        global loss on every pool rank. At pp == 1 micro-batches run forward and backward one at
+        a time (gradient accumulation: one micro-batch of activations alive); at pp > 1 GPipe runs
+        every forward, then every backward. ``before_update`` (collective, called on every pool
+        rank) may veto the optimizer step: gradients are dropped and None is returned."""
         if not self.in_pool:
             return None
         B, T = ids.shape
@@ -179,23 +219,37 @@ class Engine:
         chunks = [(s, min(mb, lo + n - s)) for s in range(lo, lo + n, mb)]
         kept, loss_sum = [], 0.0
         for s, m in chunks:  # GPipe: every forward, then every backward, same order on all stages
-            inp, out = self._pipe_forward(ids[s:s + m])
-            if self.g.last_stage:
-                out = -(weights[s:s + m] * _token_logprobs(out, ids[s:s + m])).sum() / (B * (T - 1))
-                loss_sum += float(out.detach())
+            if self.meter is not None:
+                self.meter.exclude = {t.untyped_storage().data_ptr() for t in self.w.values()}
+            with self.meter.saved_activations() if self.meter is not None else contextlib.nullcontext():
+                inp, out = self._pipe_forward(ids[s:s + m])
+                if self.g.last_stage:
+                    out = -(weights[s:s + m] * _token_logprobs(out, ids[s:s + m])).sum() / (B * (T - 1))
+                    loss_sum += float(out.detach())
             kept.append((inp, out))
+            if self.g.pp == 1:
+                self._backward(*kept.pop())
         for inp, out in kept:
-            if self.g.last_stage:
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, self.g.next_rank)
-                out.backward(grad)
-            if not self.g.first_stage:
-                dist.send(inp.grad.contiguous(), self.g.prev_rank)
+            self._backward(inp, out)
+        if before_update is not None and not before_update():
+            for t in self.w.values():
+                t.grad = None
+            return None
         self._optimizer_step()
         part = torch.tensor([[loss_sum]]) if self.g.last_stage else None
         return float(self._share((1, 1), 0, part, torch.float32)[0, 0])
+
+    def _backward(self, inp: torch.Tensor | None, out: torch.Tensor) -> None:
+        if self.g.last_stage:
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, self.g.next_rank)
+            out.backward(grad)
+        if not self.g.first_stage:
+            dist.send(inp.grad.contiguous(), self.g.prev_rank)
+        if self.meter is not None:
+            self.meter.release_activations()
 
     def _optimizer_step(self) -> None:
         params = [r for r in self.regions if r.kind == "param"]

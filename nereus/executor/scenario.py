@@ -48,7 +48,7 @@ def restrict(tplan: TransitionPlan, model: str) -> TransitionPlan:
     keep = lambda hs: tuple(h for h in hs if h.region.model == model)  # noqa: E731
     ops = tuple(op for op in tplan.ops if op.region.model == model)
     return replace(tplan, src=keep(tplan.src), dst=keep(tplan.dst), kept=keep(tplan.kept), ops=ops,
-                   bytes_moved=sum(op.region.nbytes for op in ops if not op.is_copy),
+                   bytes_moved=sum(op.region.nbytes for op in ops),
                    bytes_kept=sum(h.region.nbytes for h in keep(tplan.kept)))
 
 
@@ -64,18 +64,20 @@ def reference(model: ModelSpec, seed: int, r: Region) -> torch.Tensor:
 
 
 def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int, *,
-               roles: tuple[str, ...] | None = None) -> None:
-    """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed
-    (Adam moments random so that moving them is checked, step count 0)."""
-    for role in roles or job.roles:
+               random_moments: bool = True) -> None:
+    """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed, step 0.
+    Adam moments are random by default so that moving them is checked bit for bit; training
+    runs start them at zero like a fresh optimizer."""
+    for role in job.roles:
         model = job.model(role)
-        kinds = ("param",) + (OPT_KINDS if role in TRAINABLE else ())
+        kinds = ("param",) + (OPT_KINDS if role in TRAINABLE and random_moments else ())
         regions = rank_regions(model, plan.home(role), rank, role, role in TRAINABLE)
         if not regions:
             continue
         full = M.init_full(model, seed + ROLE_SEED[role], kinds)
         for r in regions:
-            store.put(r, _slice(full[(r.tensor, r.kind)], r).clone())
+            src = full.get((r.tensor, r.kind))
+            store.put(r, torch.zeros(r.lengths) if src is None else _slice(src, r).clone())
         store.step[role] = 0
 
 

@@ -1,0 +1,69 @@
+"""MemoryMeter: per-rank accounting of device memory, standing in for GPU memory on CPU runs.
+
+What is counted (bytes of real tensors, not estimates):
+- resident: the shard store (params, Adam moments) and gradients while they exist;
+- transient: the KV cache during generation, logits during log-prob passes, and the tensors
+  autograd saves for backward during training (``torch.autograd.graph.saved_tensors_hooks``,
+  each storage counted once).
+
+``peak`` is the largest resident + transient seen since ``reset``. A budget is enforced by the
+caller at phase boundaries (``over_budget``): on a GPU an allocation past the limit fails; here the
+step is aborted at the first boundary where any rank went past it, and its update is not applied.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+
+class MemoryMeter:
+    def __init__(self, budget_bytes: float | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.resident_fn: Callable[[], int] = lambda: 0
+        self.transient = 0
+        self.peak = 0
+        self.peak_transient = 0
+        self._saved: dict[int, int] = {}
+        self.exclude: set[int] = set()
+        """Storages not to count as activations (the parameters, already resident)."""
+
+    def reset(self) -> None:
+        self.transient = 0
+        self.peak = self.resident_fn()
+        self.peak_transient = 0
+        self._saved.clear()
+
+    def observe(self, transient_bytes: int) -> None:
+        """Record a transient working set of ``transient_bytes`` alive now."""
+        self.transient = transient_bytes
+        self.peak_transient = max(self.peak_transient, transient_bytes)
+        self.peak = max(self.peak, self.resident_fn() + transient_bytes)
+
+    def over_budget(self) -> bool:
+        return self.budget_bytes is not None and self.peak > self.budget_bytes
+
+    @contextlib.contextmanager
+    def saved_activations(self) -> Iterator[None]:
+        """Count the storages autograd saves for backward while the block runs (forward)."""
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                key = t.untyped_storage().data_ptr()
+                if key not in self._saved and key not in self.exclude:
+                    self._saved[key] = t.untyped_storage().nbytes()
+                    self.observe(sum(self._saved.values()))
+            except RuntimeError:  # tensors without storage (e.g. some views of sparse)
+                pass
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def release_activations(self) -> None:
+        self._saved.clear()
+        self.transient = 0
+
+
+def kv_cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for d in (cache.k, cache.v) for t in d.values())
