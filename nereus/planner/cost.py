@@ -73,10 +73,14 @@ def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm") -> floa
     return layers * per_layer + max(embed, last)
 
 
-def model_state_bytes(psi: float, dp: int, zero: int) -> dict[str, float]:
+def model_state_bytes(psi: float, dp: int, zero: int, dtype_bytes: int = 2) -> dict[str, float]:
     """Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) per param,
-    sharded along DP by the ZeRO stage (Rajbhandari et al. 2019)."""
-    w, g, o = 2 * psi, 2 * psi, 12 * psi
+    sharded along DP by the ZeRO stage (Rajbhandari et al. 2019). In fp32 (dtype_bytes 4, no
+    master copy): 4 + 4 + 8, the same 16 bytes split differently."""
+    if dtype_bytes == 4:
+        w, g, o = 4 * psi, 4 * psi, 8 * psi
+    else:
+        w, g, o = 2 * psi, 2 * psi, 12 * psi
     if zero >= 1:
         o /= dp
     if zero >= 2:
@@ -167,8 +171,8 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     grad_bytes = psi * 2 * (1.5 if cfg.zero >= 3 else 1.0)
     t["dp_allreduce"] = E * M * allreduce_s(grad_bytes, dp, _group_bw(cluster, cfg.gpus, p), p.allreduce_latency_s)
     # memory
-    resident = model_state_bytes(psi, dp, cfg.zero)
-    act_tok_layer = (p.act_coeff_hidden * h + p.act_coeff_ffn * model.ffn + p.act_coeff_kv * model.kv_dim) / tp
+    resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
+    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
     in_flight = min(pp, m)
     layers_here = math.ceil(L / pp)
     if cfg.recompute:
@@ -197,9 +201,9 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
                                                             p.allreduce_latency_s),
          "pp_p2p": 0.0 if pp == 1 else m * p2p_s(b * s_mean * h * 2 / tp, _group_bw(cluster, tp * pp, p),
                                                   p.p2p_latency_s)}
-    resident = {"weights": 2 * params_per_gpu(model, tp, pp, head)}
+    resident = {"weights": model.dtype_bytes * params_per_gpu(model, tp, pp, head)}
     vocab_out = model.vocab / tp if head == "lm" else 1
-    act_tok_layer = (p.act_coeff_hidden * h + p.act_coeff_ffn * model.ffn + p.act_coeff_kv * model.kv_dim) / tp
+    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
     transient = {"activations": b * s_max * act_tok_layer, "logits": b * s_max * vocab_out * p.logits_bytes,
                  "workspace": p.workspace_gib * GiB}
     return _finish(ms, cfg, t, "inference", p, resident, transient, cluster)
@@ -214,7 +218,7 @@ def _generation(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCo
                 p: CostParams, kv_budget_bytes: float | None) -> StageEstimate:
     tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
     gpu = cluster.gpu
-    weights = 2 * params_per_gpu(model, tp, pp)
+    weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     workspace = p.workspace_gib * GiB
     if kv_budget_bytes is None:
         kv_budget_bytes = gpu.usable_bytes * p.kv_mem_util - weights - workspace
@@ -268,7 +272,7 @@ def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float,
     (memory-bound time, compute-bound time, communication). With pp stages the batch is split
     into pp pipelined micro-batches, so every stage reads its weights pp times per token."""
     gpu = cluster.gpu
-    weights = 2 * params_per_gpu(model, tp, pp)
+    weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
     mem = (pp * weights + active * ctx * kvg) / (p.hbm_eff * gpu.hbm_bytes_per_s)
     flops = active * (2 * model.matmul_params() + 4 * model.layers * model.heads * model.head_dim * ctx)
@@ -288,7 +292,7 @@ def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, 
     p = params or CostParams()
     intra, inter = _links(cluster, p)
     bw = intra if colocated and gen.tp * gen.pp <= cluster.gpus_per_node else inter
-    full = 2 * model.num_params()
+    full = model.dtype_bytes * model.num_params()
     recv = full / (gen.tp * gen.pp)
     send = full * gen.dp / train.gpus
     return p.p2p_latency_s * gen.tp * gen.pp + max(recv, send) / bw

@@ -47,6 +47,11 @@ class CostParams:
     act_coeff_kv: float = 4.0
     """Training activation bytes per token per layer = (12 h + 7 f + 4 g d) / tp (with sequence
     parallelism): about 150 KB for Llama-3.1-8B."""
+    act_bytes_replicated: float = 0.0
+    act_bytes_sharded: float = 0.0
+    """Measured activation bytes per token per layer, the part TP does not split and the part it
+    does (an executor without sequence parallelism replicates norm inputs and the residual).
+    When either is > 0 they replace the coefficient formula above (see ``act_bytes_per_token``)."""
     logits_bytes: float = 4.0
     """Bytes per logit (fp32)."""
     logits_copies_train: float = 2.0
@@ -79,6 +84,13 @@ class CostParams:
         merged = dict(self.stage_factor)
         merged.update(factors)
         return replace(self, stage_factor=tuple((s, float(merged[s])) for s in STAGES))
+
+    def act_bytes_per_token(self, hidden: int, ffn: int, kv_dim: int, tp: int, dtype_bytes: int = 2) -> float:
+        """Training activation bytes per token per layer on one TP rank."""
+        if self.act_bytes_replicated > 0 or self.act_bytes_sharded > 0:
+            return self.act_bytes_replicated + self.act_bytes_sharded / tp
+        coeff = self.act_coeff_hidden * hidden + self.act_coeff_ffn * ffn + self.act_coeff_kv * kv_dim
+        return coeff * dtype_bytes / 2 / tp
 
     def matmul_eff(self, base: float, flops_per_call: float) -> float:
         if self.matmul_half_flops <= 0:
