@@ -86,3 +86,14 @@ def mismatches(store: ShardStore, job: JobSpec, seed: int) -> list[str]:
     return [f"{r.model}:{r.tensor}/{r.kind}@{r.offsets}" for r, t in store.items()
             if not torch.equal(t.view(-1).view(torch.int32), reference(job.model(r.model), seed, r).reshape(-1)
                                .view(torch.int32))]
+
+
+def reference_logits(job: JobSpec, seed: int, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the never-resharded actor on one process: full weights from the seed, no groups."""
+    model = job.model("actor")
+    w = {name: t for (name, _), t in M.init_full(model, seed + ROLE_SEED["actor"]).items()}
+    with torch.no_grad():
+        x = M.embed(ids, w, 0, None)
+        for i in range(model.layers):
+            x = M.block(x, w, i, model, None, None)
+        return M.head(x, w, None)

@@ -1,0 +1,23 @@
+"""`nereus reshard-check` end to end on 2 gloo processes, and its one-line error."""
+import json
+
+import pytest
+
+from nereus.cli import main
+
+pytestmark = pytest.mark.dist
+
+
+def test_reshard_check_passes_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "rc.json"
+    assert main(["reshard-check", "--world", "2", "--cases", "2", "--seed", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"cases", "passed", "failed", "bytes_moved", "seconds"}
+    assert data["cases"] == data["passed"] == 2 and data["failed"] == 0 and data["bytes_moved"] > 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_reshard_check_bad_world_is_one_line_error(capsys):
+    assert main(["reshard-check", "--world", "1", "--cases", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--world" in err and "got 1" in err
