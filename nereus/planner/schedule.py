@@ -124,81 +124,118 @@ class Schedule:
 # Greedy list scheduling
 # --------------------------------------------------------------------------------------------
 def greedy(p: ScheduleProblem, staged: Mapping[int, float] | None = None) -> Schedule | None:
-    """Event-driven list schedule; None when it deadlocks on memory."""
+    """Event-driven dense list schedule; None when it deadlocks on memory.
+
+    Whenever a sender (receiver, copy engine) falls idle it starts its first queued task whose
+    other end is idle and whose receiver has room; queues are ordered by the remaining work of
+    the other end (most loaded first), the usual rule for open-shop-like problems."""
     staged = dict(staged or {})
-    load = _resource_loads(p)
-    busy: dict[tuple[str, int], bool] = {}
-    mem = dict(p.base_mem)
-    for g, ready in staged.items():
+    n, src, dst, nb, dur = p.n, p.src, p.dst, p.nbytes, p.dur
+    G = 1 + max([0, *src, *dst, *p.base_mem])
+    send_load, recv_load = [0.0] * G, [0.0] * G
+    for t in range(n):
+        if src[t] != dst[t]:
+            send_load[src[t]] += dur[t]
+            recv_load[dst[t]] += dur[t]
+    out_q: list[list[int]] = [[] for _ in range(G)]
+    in_q: list[list[int]] = [[] for _ in range(G)]
+    copy_q: list[list[int]] = [[] for _ in range(G)]
+    for t in sorted(range(n), key=lambda t: (-recv_load[dst[t]], -dur[t], t)):
+        (copy_q if src[t] == dst[t] else out_q)[src[t]].append(t)
+    for t in sorted(range(n), key=lambda t: (-send_load[src[t]], -dur[t], t)):
+        if src[t] != dst[t]:
+            in_q[dst[t]].append(t)
+    mem = [0.0] * G
+    for g, b in p.base_mem.items():
+        mem[g] = b
+    ready = [0.0] * G
+    for g, when in staged.items():
+        ready[g] = when
         mem[g] -= sum(b for gg, b, _ in p.free_groups if gg == g)
-    left = {i: len(r) for i, (_, _, r) in enumerate(p.free_groups)}
-    groups_of: dict[int, list[int]] = {}
+    left = [len(r) for _, _, r in p.free_groups]
+    groups_of: list[list[int]] = [[] for _ in range(n)]
     for i, (g, _, r) in enumerate(p.free_groups):
         if g not in staged:
             for t in r:
-                groups_of.setdefault(t, []).append(i)
-    by_gpu: dict[int, list[int]] = {}
-    for t in sorted(range(p.n), key=lambda t: (-max(load.get(r, 0.0) for r in _resources(p, t)), -p.dur[t], t)):
-        for g in {p.src[t], p.dst[t]}:
-            by_gpu.setdefault(g, []).append(t)
-    start, end = [-1.0] * p.n, [0.0] * p.n
-    events: list[tuple[float, int]] = []
-    now, done = 0.0, 0
-    dirty = set(by_gpu)
-    wake = sorted(set(staged.values()))
-    while done < p.n:
-        for g in sorted(dirty):
-            _try_start(p, g, by_gpu, busy, mem, staged, now, start, end, events)
-        dirty = set()
-        if wake and (not events or wake[0] < events[0][0]):
-            now = max(now, wake.pop(0))
-            dirty = set(by_gpu)
-            continue
-        if not events:
-            return None  # nothing runs and nothing fits: memory deadlock
-        now, t = heapq.heappop(events)
-        batch = [t]
-        while events and events[0][0] == now:
-            batch.append(heapq.heappop(events)[1])
-        for t in batch:
-            done += 1
-            for r in _resources(p, t):
-                busy[r] = False
-            dirty.update((p.src[t], p.dst[t]))
-            for gi in groups_of.get(t, ()):
-                left[gi] -= 1
-                if left[gi] == 0:
-                    g, b, _ = p.free_groups[gi]
-                    mem[g] -= b
-                    dirty.add(g)
-        while wake and wake[0] <= now:
-            wake.pop(0)
-            dirty = set(by_gpu)
-    return Schedule(start, end, max(end, default=0.0), "greedy", staged)
+                groups_of[t].append(i)
+    st = _GreedyState(n, G, src, dst, nb, dur, mem, ready, p.capacity)
+    return st.run(out_q, in_q, copy_q, groups_of, left, p.free_groups, sorted(set(staged.values())), staged)
 
 
-def _try_start(p, g, by_gpu, busy, mem, staged, now, start, end, events) -> None:
-    queue = by_gpu.get(g)
-    if not queue:
-        return
-    keep = []
-    for t in queue:
-        if start[t] >= 0:
-            continue
-        keep.append(t)
-        s, d = p.src[t], p.dst[t]
-        res = _resources(p, t)
-        if any(busy.get(r) for r in res) or staged.get(s, 0.0) > now or staged.get(d, 0.0) > now:
-            continue
-        if mem[d] + p.nbytes[t] > p.capacity:
-            continue
-        for r in res:
-            busy[r] = True
-        mem[d] += p.nbytes[t]
-        start[t], end[t] = now, now + p.dur[t]
-        heapq.heappush(events, (end[t], t))
-        keep.pop()
-    by_gpu[g] = keep
+class _GreedyState:
+    """Mutable state of one greedy run (kept out of the function to keep it short)."""
+
+    def __init__(self, n, G, src, dst, nb, dur, mem, ready, cap):
+        self.n, self.src, self.dst, self.nb, self.dur = n, src, dst, nb, dur
+        self.mem, self.ready, self.cap = mem, ready, cap
+        self.send_busy, self.recv_busy, self.copy_busy = bytearray(G), bytearray(G), bytearray(G)
+        self.started = bytearray(n)
+        self.start, self.end = [-1.0] * n, [0.0] * n
+        self.events: list[tuple[float, int]] = []
+
+    def _go(self, t: int, now: float) -> None:
+        s, d = self.src[t], self.dst[t]
+        if s == d:
+            self.copy_busy[s] = 1
+        else:
+            self.send_busy[s] = self.recv_busy[d] = 1
+        self.started[t] = 1
+        self.mem[d] += self.nb[t]
+        self.start[t], self.end[t] = now, now + self.dur[t]
+        heapq.heappush(self.events, (self.end[t], t))
+
+    def _scan(self, q: list[int], now: float, other: list[int], busy: bytearray) -> None:
+        started, mem, nb, dst, ready, cap = self.started, self.mem, self.nb, self.dst, self.ready, self.cap
+        while q and started[q[-1]]:
+            q.pop()
+        for t in q:
+            if started[t]:
+                continue
+            o, d = other[t], dst[t]
+            if busy[o] or ready[d] > now or ready[self.src[t]] > now or mem[d] + nb[t] > cap:
+                continue
+            self._go(t, now)
+            return
+
+    def _kick(self, g: int, now: float, out_q, in_q, copy_q) -> None:
+        if not self.send_busy[g]:
+            self._scan(out_q[g], now, self.dst, self.recv_busy)
+        if not self.recv_busy[g]:
+            self._scan(in_q[g], now, self.src, self.send_busy)
+        if not self.copy_busy[g]:
+            self._scan(copy_q[g], now, self.dst, self.copy_busy)
+
+    def run(self, out_q, in_q, copy_q, groups_of, left, free_groups, wake, staged) -> Schedule | None:
+        now, done = 0.0, 0
+        dirty = set(range(len(self.mem)))
+        while done < self.n:
+            for g in sorted(dirty):
+                self._kick(g, now, out_q, in_q, copy_q)
+            dirty = set()
+            if wake and (not self.events or wake[0] < self.events[0][0]):
+                now = max(now, wake.pop(0))
+                dirty = set(range(len(self.mem)))
+                continue
+            if not self.events:
+                return None  # nothing runs and nothing fits: memory deadlock
+            now = self.events[0][0]
+            while self.events and self.events[0][0] == now:
+                t = heapq.heappop(self.events)[1]
+                done += 1
+                s, d = self.src[t], self.dst[t]
+                if s == d:
+                    self.copy_busy[s] = 0
+                else:
+                    self.send_busy[s] = self.recv_busy[d] = 0
+                dirty.add(s)
+                dirty.add(d)
+                for gi in groups_of[t]:
+                    left[gi] -= 1
+                    if left[gi] == 0:
+                        g, b, _ = free_groups[gi]
+                        self.mem[g] -= b
+                        dirty.add(g)
+        return Schedule(self.start, self.end, max(self.end, default=0.0), "greedy", dict(staged))
 
 
 def staging_plan(p: ScheduleProblem) -> dict[int, float]:

@@ -35,8 +35,9 @@ from nereus.planner.transition_types import DTYPE_BYTES, TransitionPlan
 
 @dataclass(frozen=True, slots=True)
 class Template:
-    """Tensor kinds with identical shards and dtype (e.g. master, exp_avg, exp_avg_sq), planned
-    once for ``len(tensors)`` layers whose stages in A and in B are the same."""
+    """Tensors with identical shape and split (the same tensor of every layer whose stages in A
+    and in B are the same; gate/up_proj; k/v_proj) and kinds with identical shards and dtype
+    (master, exp_avg, exp_avg_sq), planned once."""
 
     model: str
     tensors: tuple[str, ...]
@@ -84,9 +85,11 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
     for layers in _layer_groups(model.layers, pa.config.pp, pb.config.pp):
         rep = layers[0]
         prefix = f"layers.{rep}."
+        same_split: dict[tuple, list[TensorInfo]] = {}  # e.g. gate/up_proj, k/v_proj, the two norms
         for t in by_layer[rep]:
-            suffix = t.name[len(prefix):]
-            yield t, tuple(f"layers.{i}.{suffix}" for i in layers)
+            same_split.setdefault((t.shape, t.tp_dim, t.tp_max), []).append(t)
+        for ts in same_split.values():
+            yield ts[0], tuple(f"layers.{i}.{t.name[len(prefix):]}" for t in ts for i in layers)
 
 
 @lru_cache(maxsize=65536)
