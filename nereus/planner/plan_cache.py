@@ -1,0 +1,140 @@
+"""Where the controller's candidate plans come from: the plan solver (brief A), behind a cache.
+
+A ``LayoutRule`` says which layouts a policy may use: anything (adaptive), the initial TP/PP with
+its pools scaled to the GPU count (static: DP follows the GPUs), colocated with fixed TP (verl-like),
+disaggregated fixed pools with fixed TP (OpenRLHF-like). Inside a rule the solver still picks the
+non-layout knobs (micro-batch, recompute, ZeRO stage, KV budget / waves), as a real job would.
+
+``PlanCache.best`` solves once per key (rule, GPU count, workload bucket, calibration bucket, and the
+anchor plan for "keep the current layout" queries) and remembers infeasibility too, so the steady
+state of a run costs dictionary look-ups, not solves.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from nereus.errors import InfeasibleError, SpecError
+from nereus.planner.cost_params import CostParams
+from nereus.planner.plan import Plan
+from nereus.planner.specs import ClusterSpec, JobSpec, Workload
+
+Solver = Callable[..., Any]
+
+
+def scale_plan(plan: Plan, gpus: int) -> Plan | None:
+    """``plan``'s pools stretched (or shrunk) to ``gpus`` GPUs, TP/PP kept and DP scaled; None when
+    the pools cannot be scaled to whole DP groups."""
+    n = plan.num_gpus
+    if n == gpus:
+        return plan
+    stages = []
+    for s in plan.stages:
+        first, size = s.first_gpu * gpus, s.gpus * gpus
+        if first % n or size % n:
+            return None
+        first, size = first // n, size // n
+        tp_pp = s.config.tp * s.config.pp
+        if size % tp_pp:
+            return None
+        stages.append(replace(s, first_gpu=first, gpus=size, config=replace(s.config, dp=size // tp_pp)))
+    try:
+        return replace(plan, stages=tuple(stages))
+    except SpecError:
+        return None
+
+
+def tp_pp_of(plan: Plan) -> tuple[tuple[str, int, int], ...]:
+    return tuple((s.name, s.config.tp, s.config.pp) for s in plan.stages)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayoutRule:
+    """Which layouts a policy may choose (see the module docstring)."""
+
+    name: str = "free"
+    placement: str = "any"
+    fixed_tp_pp: tuple[tuple[str, int, int], ...] = ()
+    anchor: Plan | None = None
+    """Pools to keep (scaled to the GPU count); None: the solver chooses pools."""
+
+    def constraints(self, gpus: int) -> Any:
+        from nereus.planner.solver import PlanConstraints
+
+        fixed = None
+        if self.anchor is not None:
+            fixed = scale_plan(self.anchor, gpus)
+            if fixed is None:
+                raise InfeasibleError(f"{self.name}: the pools of the fixed placement ({self.anchor.num_gpus} GPUs) "
+                                      f"cannot be scaled to {gpus} GPUs")
+        return PlanConstraints(fixed_tp_pp=self.fixed_tp_pp, placement=self.placement, fixed_placement=fixed)
+
+    def key(self) -> tuple:
+        return (self.name, self.placement, self.fixed_tp_pp, None if self.anchor is None else self.anchor.layout_key())
+
+
+FREE = LayoutRule()
+
+
+def keep_layout(plan: Plan) -> LayoutRule:
+    """The current plan's pools and TP/PP: reachable by changing knobs and DP-internal state only."""
+    return LayoutRule(name="keep", fixed_tp_pp=tp_pp_of(plan), anchor=plan)
+
+
+def static_rule(initial: Plan) -> LayoutRule:
+    """The paper's baseline: the initial plan's TP/PP and pools, DP scaling with the GPUs."""
+    return LayoutRule(name="static", fixed_tp_pp=tp_pp_of(initial), anchor=initial)
+
+
+class PlanCache:
+    def __init__(self, job: JobSpec, cluster: ClusterSpec, *, time_limit_s: float = 5.0, seed: int = 0,
+                 backend: str = "cpsat", solve_fn: Solver | None = None, candidates: Any = None) -> None:
+        self.job, self.cluster = job, cluster
+        self.candidates = candidates
+        """Optional ``CandidateSettings`` restricting the configs the solver enumerates (e.g. what an
+        executor supports)."""
+        self.time_limit_s, self.seed, self.backend = time_limit_s, seed, backend
+        self._solve_fn = solve_fn
+        self._plans: dict[tuple, Plan | None] = {}
+        self.solves = 0
+        self.solve_s = 0.0
+        self.last_message = ""
+        self.log: list[tuple[str, int, float, float]] = []
+        """(rule, gpus, mean response length, seconds) of every solve, for diagnostics."""
+
+    def cluster_for(self, gpus: int) -> ClusterSpec:
+        return self.cluster if gpus == self.cluster.num_gpus else self.cluster.with_gpus(gpus)
+
+    def best(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, calib_key: tuple = (),
+             hint: Plan | None = None) -> Plan | None:
+        """Fastest plan under ``rule`` for ``w`` on ``gpus`` GPUs (None when infeasible), cached."""
+        key = (rule.key(), gpus, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, calib_key)
+        if key in self._plans:
+            return self._plans[key]
+        plan = self._solve(rule, w, gpus, params, hint)
+        self._plans[key] = plan
+        return plan
+
+    def _solve(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, hint: Plan | None) -> Plan | None:
+        from nereus.planner.solver import PlanProblem, solve
+
+        t0 = time.perf_counter()
+        self.solves += 1
+        try:
+            problem = PlanProblem(job=self.job, cluster=self.cluster_for(gpus), workload=w, params=params,
+                                  current_plan=hint if hint is not None and hint.num_gpus <= gpus else None,
+                                  constraints=rule.constraints(gpus),
+                                  **({"candidates": self.candidates} if self.candidates is not None else {}))
+            fn = self._solve_fn or solve
+            sol = fn(problem, backend=self.backend, time_limit_s=self.time_limit_s, workers=1, seed=self.seed)
+        except InfeasibleError as e:
+            self.last_message = str(e)
+            return None
+        finally:
+            self.solve_s += time.perf_counter() - t0
+            self.log.append((rule.name, gpus, w.response_len_mean, time.perf_counter() - t0))
+        if sol.plan is None or sol.status == "INFEASIBLE":
+            self.last_message = sol.message
+            return None
+        return sol.plan

@@ -1,0 +1,96 @@
+"""Per-model-stage times and memory of a whole plan, composed into a step time.
+
+Used by the controller (with the planner's CostParams, then corrected by online calibration) and by
+the simulator's ground truth (with different CostParams). The plan solver has its own objective;
+this is the plain composition of the analytic cost model that both sides can afford every step
+(about 0.5 ms per plan and workload, cached by callers).
+
+Step time = sum over phases of the phase makespan (max over pools of the summed durations of the
+pool's model-stages in that phase) + the actor's weight sync from training to generation layout.
+Memory per GPU of a pool = residents of every model homed there + the running stage's transient;
+generation's KV budget is what the inference engine may take after those residents.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nereus.planner.cost import estimate, params_per_gpu, weight_sync_s
+from nereus.planner.cost_params import CostParams
+from nereus.planner.plan import HOME_STAGE, Plan
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
+
+GiB = 1024**3
+
+
+def plan_key(plan: Plan) -> tuple:
+    """Everything about a plan that changes its time or memory (layout and knobs)."""
+    return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
+                  s.config.zero, s.config.recompute) for s in plan.stages)
+
+
+def workload_key(w: Workload) -> tuple:
+    return (w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTimes:
+    """Per-model-stage times and memory of one plan on one workload, composed into a step time."""
+
+    stage_s: Mapping[str, float]
+    weight_sync_s: float
+    step_s: float
+    feasible: bool
+    peak_mem_gib: Mapping[str, float]
+    """Peak memory per GPU while each model-stage runs (GiB)."""
+    violations: tuple[str, ...] = field(default=())
+
+
+def compose_step(job: JobSpec, plan: Plan, stage_s: Mapping[str, float], sync_s: float) -> float:
+    """Sum of phase makespans (max over pools of that pool's summed stage times) + weight sync."""
+    pools = {s.name: s.pool for s in plan.stages}
+    total = sync_s
+    for phase in job.phases():
+        per_pool: dict[int, float] = {}
+        for ms in phase:
+            per_pool[pools[ms]] = per_pool.get(pools[ms], 0.0) + stage_s[ms]
+        total += max(per_pool.values())
+    return total
+
+
+def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, params: CostParams) -> PlanTimes:
+    """Time and memory of every model-stage of ``plan`` on ``w`` under ``params`` (noiseless)."""
+    usable = cluster.gpu.usable_bytes
+    resident: dict[int, float] = {}
+    est = {}
+    for s in plan.stages:
+        if s.stage != "generation":
+            est[s.name] = e = estimate(job, cluster, s.name, s.config, w, params)
+            if HOME_STAGE.get(s.role) == s.name:
+                resident[s.pool] = resident.get(s.pool, 0.0) + e.resident_bytes
+    gen = plan.stage("actor/generation")
+    gen_fixed = est_fixed_gen_bytes(job, cluster, gen.config, params)
+    budget = usable * params.kv_mem_util - resident.get(gen.pool, 0.0) - gen_fixed
+    est[gen.name] = estimate(job, cluster, gen.name, gen.config, w, params, kv_budget_bytes=budget)
+    violations = []
+    peak = {}
+    for s in plan.stages:
+        e = est[s.name]
+        mem = resident.get(s.pool, 0.0) + e.transient_bytes
+        peak[s.name] = mem / GiB
+        if mem > usable or not math.isfinite(e.time_s):
+            violations.append(f"{s.name} {s.config.label()} needs {mem / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB"
+                              + (f" ({e.notes[0]})" if e.notes else ""))
+    stage_s = {ms: e.time_s for ms, e in est.items()}
+    train = plan.stage("actor/training")
+    sync = weight_sync_s(job.model("actor"), train.config, gen.config, cluster, train.pool == gen.pool, params)
+    step = compose_step(job, plan, stage_s, sync) if not violations else math.inf
+    return PlanTimes(stage_s, sync, step, not violations, peak, tuple(violations))
+
+
+def est_fixed_gen_bytes(job: JobSpec, cluster: ClusterSpec, cfg: ParallelConfig, params: CostParams) -> float:
+    """Generation weights + workspace per GPU (what the engine holds besides the KV cache)."""
+    return 2 * params_per_gpu(job.model("actor"), cfg.tp, cfg.pp) + params.workspace_gib * GiB
+
+
