@@ -1,0 +1,312 @@
+"""Decision units, pool sizes and option tables: everything every backend optimises over.
+
+A *unit* is one decision: trainable models run training and inference in one layout
+(``actor/training`` also covers ``actor/inference``); generation, ref and reward inference are
+units of their own. An *option* is one (pool size, parallel config, KV level) of a unit with its
+per-phase durations, resident and transient bytes per GPU, all from ``nereus.planner.cost``.
+Options are pruned by memory (alone on an empty GPU) and then by dominance, so the solvers see
+only configurations that could be optimal.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nereus.errors import SpecError
+from nereus.models.inventory import check_tp
+from nereus.planner.cost import estimate, weight_sync_s
+from nereus.planner.solver.problem import PlanProblem
+from nereus.planner.specs import TRAINABLE, ParallelConfig
+
+KIB = 1024
+GEN = "actor/generation"
+ACTOR = "actor/training"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unit:
+    name: str
+    """Home model-stage of the unit, e.g. ``actor/training``."""
+    stages: tuple[str, ...]
+    """Model-stages that run in this unit's layout."""
+    phases: tuple[int, ...]
+    """Phase index of each of ``stages``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Option:
+    unit: int
+    size: int
+    config: ParallelConfig
+    durations: tuple[float, ...]
+    """Seconds per phase (0 where the unit does not run)."""
+    stage_times: tuple[float, ...]
+    """Seconds of each of the unit's model-stages."""
+    resident_kib: int
+    """Rounded up so every backend sees the same integers and stays conservative."""
+    transient_kib: int
+    kv_budget_bytes: float | None = None
+    sync: tuple[float, ...] = ()
+    """Generation only: weight sync seconds for (train pool size, colocated) pairs, see Tables."""
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        extra = f" mb{c.micro_batch}" + (f" z{c.zero}" if c.zero != 1 else "") + (" rc" if c.recompute else "")
+        kv = "" if self.kv_budget_bytes is None else f" kv{self.kv_budget_bytes / 1024**3:.1f}G"
+        return f"{c.label()}{extra}{kv}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tables:
+    units: tuple[Unit, ...]
+    sizes: tuple[int, ...]
+    """Allowed pool sizes, ascending."""
+    options: tuple[tuple[Option, ...], ...]
+    """Per unit, every surviving option over all sizes."""
+    capacity_kib: int
+    num_gpus: int
+    n_phases: int
+    sync_keys: tuple[tuple[int, bool], ...]
+    """(train pool size, colocated) pairs indexing Option.sync."""
+
+    def unit_index(self, name: str) -> int:
+        for i, u in enumerate(self.units):
+            if u.name == name:
+                return i
+        raise SpecError(f"no decision unit {name!r}; units: {[u.name for u in self.units]}")
+
+    def sync_s(self, gen: Option, train_size: int, colocated: bool) -> float:
+        return gen.sync[self.sync_keys.index((train_size, colocated))]
+
+
+def make_units(problem: PlanProblem) -> tuple[Unit, ...]:
+    phases = problem.job.phases()
+    where = {ms: i for i, ph in enumerate(phases) for ms in ph}
+    units = [Unit(name=GEN, stages=(GEN,), phases=(where[GEN],))]
+    for role in problem.job.roles:
+        if role in TRAINABLE:
+            stages = (f"{role}/training", f"{role}/inference")
+        else:
+            stages = (f"{role}/inference",)
+        units.append(Unit(name=stages[0], stages=stages, phases=tuple(where[s] for s in stages)))
+    return tuple(units)
+
+
+def pool_sizes(cluster) -> tuple[int, ...]:
+    """Buddy sizes: node multiples 2^k (sub-node powers of two on a single node), plus the whole cluster."""
+    n, base = cluster.num_gpus, (1 if cluster.nodes == 1 else cluster.gpus_per_node)
+    sizes, s = set(), base
+    while s <= n:
+        sizes.add(s)
+        s *= 2
+    sizes.add(n)
+    return tuple(sorted(sizes))
+
+
+def blocks(cluster, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Every aligned (first_gpu, size) block: the positions the brute-force oracle enumerates."""
+    n = cluster.num_gpus
+    return tuple((start, s) for s in sizes for start in range(0, n - s + 1, s) if s != n or start == 0)
+
+
+def _tp_ok(problem: PlanProblem, model, tp: int, size: int) -> bool:
+    c = problem.cluster
+    try:
+        check_tp(model, tp)
+    except SpecError:
+        return False
+    return tp <= c.gpus_per_node and size % tp == 0 and (c.nodes == 1 or c.gpus_per_node % tp == 0)
+
+
+def _pinned(problem: PlanProblem, unit: Unit) -> tuple[int, int] | None:
+    for ms, tp, pp in problem.constraints.fixed_tp_pp:
+        if ms in unit.stages:
+            return int(tp), int(pp)
+    return None
+
+
+def layouts(problem: PlanProblem, unit: Unit, size: int) -> list[tuple[int, int]]:
+    """(tp, pp) pairs of ``unit`` that tile a pool of ``size`` GPUs."""
+    model = problem.job.model(unit.name.split("/")[0])
+    cs = problem.candidates
+    pps = [p for p in range(1, min(cs.max_pp, model.layers) + 1) if model.layers % p == 0]
+    out = [(tp, pp) for tp in cs.tps for pp in pps
+           if size % (tp * pp) == 0 and _tp_ok(problem, model, tp, size)]
+    pin = _pinned(problem, unit)
+    return [x for x in out if pin is None or x == pin]
+
+
+def _kib(x: float) -> int:
+    return int(math.ceil(x / KIB))
+
+
+def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
+                 sync_keys: tuple) -> list[Option]:
+    """Every memory-feasible option of ``unit`` on a pool of ``size`` GPUs (before dominance)."""
+    if unit.name == GEN:
+        return _generation_options(problem, ui, unit, size, n_phases, sync_keys)
+    j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
+    cap = c.gpu.usable_bytes
+    cs = problem.candidates
+    trainable = len(unit.stages) == 2
+    per_rank = w.sequences / (j.batch.mini_batches if trainable else 1)
+    out: list[Option] = []
+    infer_cache: dict = {}
+    for tp, pp in layouts(problem, unit, size):
+        dp = size // (tp * pp)
+        # a micro-batch larger than a DP rank's share only adds activation memory
+        mbs = [mb for mb in cs.micro_batches if mb == min(cs.micro_batches) or mb <= per_rank / dp]
+        for mb in mbs:
+            for zero in (cs.zeros if trainable else (1,)):
+                for rc in (cs.recompute if trainable else (False,)):
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc)
+                    ests = [estimate(j, c, unit.stages[0], cfg, w, p)]
+                    if trainable:  # inference ignores ZeRO and recompute: estimate it once per layout
+                        key = (tp, pp, mb)
+                        if key not in infer_cache:
+                            infer_cache[key] = estimate(j, c, unit.stages[1], cfg, w, p)
+                        ests.append(infer_cache[key])
+                    resident = ests[0].resident_bytes
+                    transient = max(e.transient_bytes for e in ests)
+                    if resident + transient > cap or not all(math.isfinite(e.time_s) for e in ests):
+                        continue
+                    durs = [0.0] * n_phases
+                    for e, ph in zip(ests, unit.phases):
+                        durs[ph] += e.time_s
+                    out.append(Option(unit=ui, size=size, config=cfg, durations=tuple(durs),
+                                      stage_times=tuple(e.time_s for e in ests), resident_kib=_kib(resident),
+                                      transient_kib=_kib(transient)))
+    return out
+
+
+def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
+                        sync_keys: tuple) -> list[Option]:
+    """Generation at each KV budget level; levels above the peak KV demand change nothing."""
+    j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
+    model = j.model("actor")
+    out: list[Option] = []
+    for tp, pp in layouts(problem, unit, size):
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp))
+        base = estimate(j, c, GEN, cfg, w, p)
+        full = c.gpu.usable_bytes * p.kv_mem_util - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
+        demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf
+        sync = tuple(weight_sync_s(model, ParallelConfig(dp=ts), cfg, c, col, p) for ts, col in sync_keys)
+        seen_enough = False
+        for f in sorted(problem.candidates.kv_fractions, reverse=True):
+            budget = full * f
+            if budget >= demand:
+                if seen_enough:
+                    continue
+                seen_enough = True
+            e = base if f == 1.0 else estimate(j, c, GEN, cfg, w, p, kv_budget_bytes=budget)
+            if not e.fits:
+                continue
+            durs = [0.0] * n_phases
+            durs[unit.phases[0]] = e.time_s
+            out.append(Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=(e.time_s,),
+                              resident_kib=_kib(e.resident_bytes), transient_kib=_kib(e.transient_bytes),
+                              kv_budget_bytes=budget, sync=sync))
+    return out
+
+
+def _axes(o: Option) -> tuple:
+    return (*o.durations, o.resident_kib, o.transient_kib, *o.sync)
+
+
+def prune_dominated(opts: list[Option]) -> list[Option]:
+    """Drop options no better than another on every axis (time per phase, resident, transient,
+    weight sync); among exact ties keep the first. An option can only be dominated by one that
+    sorts before it, so one pass over the sorted list against the kept ones suffices."""
+    order = sorted(range(len(opts)), key=lambda i: (_axes(opts[i]), i))
+    kept: list[tuple] = []
+    keep_idx = []
+    for i in order:
+        a = _axes(opts[i])
+        if any(all(y <= x for x, y in zip(a, b)) for b in kept):
+            continue
+        kept.append(a)
+        keep_idx.append(i)
+    return [opts[i] for i in sorted(keep_idx)]
+
+
+def prune_across_sizes(problem: PlanProblem, unit: Unit, opts: list[Option]) -> list[Option]:
+    """Drop an option when one on a smaller pool is no worse on every axis. Valid for units other
+    than generation and actor training (whose weight sync depends on pool overlap and size):
+    shrinking a pool to a buddy sub-block only removes the unit from some GPUs, so no GPU's memory
+    or load grows. Not used with a fixed placement (pool sizes are given)."""
+    if unit.name in (GEN, ACTOR) or problem.constraints.fixed_placement is not None:
+        return opts
+    keep = []
+    for o in opts:
+        a = _axes(o)
+        if not any(q.size < o.size and all(y <= x for x, y in zip(a, _axes(q))) for q in opts):
+            keep.append(o)
+    return keep
+
+
+def fixed_sizes(problem: PlanProblem) -> tuple[int, ...]:
+    fp = problem.constraints.fixed_placement
+    return tuple(sorted({s.gpus for s in fp.stages})) if fp is not None else ()
+
+
+def build_tables(problem: PlanProblem) -> Tables:
+    """Option tables of ``problem`` (cached: the CLI sweep and the backends share them)."""
+    try:
+        hash(problem)
+    except TypeError:  # a plan with unhashable extras, or an unhashable callable
+        return _build_tables_cached.__wrapped__(problem)
+    return _build_tables_cached(problem)
+
+
+@lru_cache(maxsize=64)
+def _build_tables_cached(problem: PlanProblem) -> Tables:
+    c = problem.cluster
+    units = make_units(problem)
+    sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
+    if problem.constraints.placement == "colocated":
+        sizes = (c.num_gpus,)
+    n_phases = len(problem.job.phases())
+    sync_keys = tuple((s, col) for s in sizes for col in (False, True))
+    options = []
+    for ui, u in enumerate(units):
+        opts: list[Option] = []
+        for s in sizes:
+            opts += prune_dominated(unit_options(problem, ui, u, s, n_phases, sync_keys))
+        options.append(tuple(prune_across_sizes(problem, u, opts)))
+    return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
+                  num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys)
+
+
+def prune_by_bound(t: Tables, upper: float) -> Tables:
+    """Drop options that cannot beat a known plan of step time ``upper``: an option's own phase
+    durations, the fastest possible other units of each phase and the cheapest weight sync already
+    add up to more. Exact (keeps every option that could tie or win)."""
+    import dataclasses
+
+    if not math.isfinite(upper):
+        return t
+    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
+    n, N = len(t.units), t.num_gpus
+    fastest = [[min(o.durations[ph] for o in opts) if opts else 0.0 for opts in t.options] for ph in range(t.n_phases)]
+    # least GPU-seconds each unit can spend in a phase: a phase's makespan is at least the total / N
+    area = [[min(o.durations[ph] * o.size for o in opts) if opts else 0.0 for opts in t.options]
+            for ph in range(t.n_phases)]
+    min_sync = min((min(o.sync) for o in t.options[g]), default=0.0)
+    sync_for_size = {s: min((t.sync_s(o, s, col) for o in t.options[g] for col in (False, True)), default=0.0)
+                     for s in t.sizes}
+    options = []
+    for u, opts in enumerate(t.options):
+        keep = []
+        for o in opts:
+            lb = 0.0
+            for ph in range(t.n_phases):
+                others = [v for v in range(n) if v != u]
+                lb += max([o.durations[ph], (o.durations[ph] * o.size + sum(area[ph][v] for v in others)) / N]
+                          + [fastest[ph][v] for v in others])
+            lb += min(o.sync) if u == g else (sync_for_size[o.size] if u == tr else min_sync)
+            if lb <= upper * (1 + 1e-9):
+                keep.append(o)
+        options.append(tuple(keep))
+    return dataclasses.replace(t, options=tuple(options))

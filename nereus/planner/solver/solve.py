@@ -1,0 +1,129 @@
+"""``solve(problem, backend=...)``: option tables -> greedy -> chosen backend -> Plan.
+
+All backends optimise the same option tables; the reported objective is always recomputed in
+floating point from the chosen assignment (assignment.objective), so backends are comparable.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+from nereus.errors import SpecError
+from nereus.planner.plan import Plan
+from nereus.planner.solver.assignment import Assignment, objective, to_plan
+from nereus.planner.solver.candidates import Tables, build_tables, prune_by_bound
+from nereus.planner.solver.check import evaluate_plan
+from nereus.planner.solver.greedy import greedy
+from nereus.planner.solver.infeasible import explain_infeasible
+from nereus.planner.solver.problem import PlanConstraints, PlanProblem, PlanSolution
+from nereus.planner.solver.structure import placement_skeleton
+from nereus.planner.solver.transition import default_transition_cost
+
+BACKENDS = ("cpsat", "pulp", "greedy", "brute")
+
+
+def _infeasible(problem: PlanProblem, backend: str, t0: float, why: str = "") -> PlanSolution:
+    return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.inf, gap=math.nan, plan=None,
+                        wall_s=time.perf_counter() - t0, backend=backend, message=why or explain_infeasible(problem))
+
+
+def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: float, workers: int, seed: int):
+    """(status, assignment or None, bound seconds)."""
+    hint = greedy(problem, t)
+    if backend == "greedy":
+        return ("FEASIBLE", hint[1], math.nan) if hint else ("INFEASIBLE", None, math.nan)
+    if backend == "brute":
+        from nereus.planner.solver.brute import brute
+
+        r = brute(problem, t)
+        return ("OPTIMAL", r[1], r[0]) if r else ("INFEASIBLE", None, math.inf)
+    from nereus.planner.solver.formulation import Formulation
+
+    if hint is not None:
+        t = prune_by_bound(t, hint[0])
+    form = Formulation(problem, t)
+    if hint is not None:
+        form.set_hint(hint[1])
+    if backend == "cpsat":
+        from nereus.planner.solver.cpsat import solve_linmodel
+
+        status, value, bound, _ = solve_linmodel(form.m, form.t_hi, time_limit_s, workers, seed)
+    else:
+        from nereus.planner.solver.pulp_backend import solve_linmodel
+
+        status, value, bound, _ = solve_linmodel(form.m, time_limit_s, workers, seed)
+    if value is None:
+        if status == "INFEASIBLE":
+            return "INFEASIBLE", None, math.inf
+        # time limit without a solution: fall back to the greedy answer, bound unknown
+        return ("FEASIBLE", hint[1], math.nan) if hint else ("UNKNOWN", None, math.nan)
+    return status, form.assignment(value), bound
+
+
+def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,
+                     t0: float) -> PlanSolution:
+    t = build_tables(problem)
+    if any(not opts for opts in t.options):
+        return _infeasible(problem, backend, t0)
+    status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed)
+    if a is None:
+        why = "" if status == "INFEASIBLE" else f"{backend} found no plan within {time_limit_s:g} s"
+        return _infeasible(problem, backend, t0, why) if status == "INFEASIBLE" else PlanSolution(
+            status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
+            wall_s=time.perf_counter() - t0, backend=backend, message=why)
+    obj = objective(t, a)[0]
+    if status == "OPTIMAL":
+        bound, gap = min(bound, obj) if math.isfinite(bound) else obj, 0.0
+    else:
+        gap = max(0.0, (obj - bound) / obj) if math.isfinite(bound) and obj > 0 else math.nan
+    sk = placement_skeleton(problem, t)
+    firsts = sk.slot_first if sk is not None and sk.slot_first is not None else None
+    wall = time.perf_counter() - t0
+    plan = to_plan(t, a, problem.cluster, status=status, solve_s=wall, gap=gap, backend=backend, firsts=firsts)
+    return PlanSolution(status=status, objective=obj, bound=bound, gap=gap, plan=plan, wall_s=wall, backend=backend)
+
+
+def solve(problem: PlanProblem, backend: str = "cpsat", time_limit_s: float = 10.0, workers: int = 1,
+          seed: int = 0) -> PlanSolution:
+    """Best memory-feasible plan for ``problem`` (see README.md for the formulation)."""
+    if backend not in BACKENDS:
+        raise SpecError(f"unknown solver backend {backend!r}; choose one of {BACKENDS}")
+    t0 = time.perf_counter()
+    sol = _solve_step_time(problem, backend, time_limit_s, workers, seed, t0)
+    if problem.current_plan is None or problem.amortize_steps <= 0:
+        return sol
+    return _transition_aware(problem, sol, backend, time_limit_s, workers, seed, t0)
+
+
+def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, time_limit_s: float, workers: int,
+                      seed: int, t0: float) -> PlanSolution:
+    """Objective += transition_cost(current, new) / amortize_steps, over the candidate plans: the
+    step-time optimum, the current pools with re-chosen configs, and the current plan itself.
+    The step-time bound stays a valid lower bound (transition costs are >= 0)."""
+    cur = problem.current_plan
+    cost = problem.transition_cost or default_transition_cost(problem)
+    cands: list[Plan] = [best.plan] if best.plan is not None else []
+    try:
+        fixed = replace(problem, current_plan=None, amortize_steps=0.0,
+                        constraints=replace(problem.constraints, fixed_placement=cur))
+        s2 = _solve_step_time(fixed, backend, time_limit_s, workers, seed, t0)
+        if s2.plan is not None:
+            cands.append(s2.plan)
+    except SpecError:
+        pass  # the current pools are not a laminar buddy family: skip that candidate
+    ev = evaluate_plan(problem, cur)
+    if ev.feasible:
+        cands.append(replace(cur, step_time_s=ev.step_time_s))
+    if not cands:
+        return best
+    scored = [(p.step_time_s + cost(cur, p) / problem.amortize_steps, i, p) for i, p in enumerate(cands)]
+    obj, _, plan = min(scored, key=lambda x: (x[0], x[1]))
+    bound = best.bound if math.isfinite(best.bound) else math.nan
+    proven = best.status == "OPTIMAL" and math.isfinite(bound) and obj <= bound * (1 + 1e-9)
+    status = "OPTIMAL" if proven else "FEASIBLE"
+    gap = 0.0 if proven else (max(0.0, (obj - bound) / obj) if math.isfinite(bound) else math.nan)
+    wall = time.perf_counter() - t0
+    plan = replace(plan, status=status, gap=gap, solve_s=wall, backend=backend,
+                   extras=(*plan.extras, ("transition_s", cost(cur, plan))))
+    return PlanSolution(status=status, objective=obj, bound=bound, gap=gap, plan=plan, wall_s=wall, backend=backend)
