@@ -1,0 +1,65 @@
+"""End-to-end simulation on a small trace: every policy, the oracle bound, the JSON contract."""
+import json
+
+import pytest
+
+from nereus.cli import main
+from nereus.planner.sim.simulate import simulate
+from nereus.planner.sim.trace import parse_trace
+from nereus.planner.specs import load_cluster, load_job
+
+TRACE = """# test trace: growing lengths, a cap raise and a GPU jump
+step,response_len_mean,response_len_max,gpus
+0,1500,4096,8
+10,2500,4096,8
+20,5000,16384,32
+30,9000,16384,32
+39,9500,16384,32
+"""
+KEYS = {"steps", "mean_step_s", "total_s", "transition_s", "transition_overhead", "transitions", "infeasible_steps"}
+
+
+@pytest.fixture(scope="module")
+def results():
+    job = load_job("examples/grpo-7b.yaml")
+    cluster = load_cluster("examples/cluster-h100-4n.yaml")
+    return simulate(job, cluster, parse_trace(TRACE, "test"), time_limit_s=2, seed=0)
+
+
+def test_no_online_policy_beats_the_oracle(results):
+    oracle = results["oracle"].total_s
+    for name, r in results.items():
+        if name != "oracle" and not any(r.infeasible):
+            assert r.total_s >= oracle * (1 - 1e-9), (name, r.total_s, oracle)
+
+
+def test_adaptive_not_worse_than_static_by_more_than_its_transitions(results):
+    a, s = results["adaptive"], results["static"]
+    assert a.total_s <= s.total_s + sum(a.transition_s) + 1e-6, (a.to_dict(), s.to_dict())
+
+
+def test_summary_records_and_counts(results):
+    for name, r in results.items():
+        d = r.to_dict()
+        assert KEYS <= set(d) and d["steps"] == 40
+        assert d["transitions"] == sum(1 for t in r.transition_s if t > 0)
+        assert abs(d["total_s"] - sum(r.step_s) - d["transition_s"]) < 1e-6
+    assert results["adaptive"].to_dict()["transitions"] >= 1  # the GPU jump is taken
+
+
+def test_cli_simulate_writes_json_and_rejects_bad_policy(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    out = tmp_path / "s.json"
+    rc = main(["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-4n.yaml",
+               "--trace", str(trace), "--policy", "static", "--steps", "12", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert KEYS <= set(data["static"]) and data["static"]["steps"] == 12
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-4n.yaml",
+              "--trace", str(trace), "--policy", "nope"])
+    assert e.value.code == 2
+    rc = main(["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-1n.yaml",
+               "--trace", str(trace), "--policy", "static"])
+    assert rc == 2 and "asks for 32 GPUs" in capsys.readouterr().err
