@@ -47,28 +47,58 @@ class ScheduleProblem:
 
     @classmethod
     def from_pieces(cls, pieces, cluster: ClusterSpec, bw_intra: float, bw_inter: float, capacity: float,
-                    resident_bytes: float | Mapping[int, float] | None, *, hbm_bps: float, host_bps: float) -> "ScheduleProblem":
-        """Bucket the moves by (src, dst) and derive memory groups."""
-        index: dict[tuple[int, int], int] = {}
-        for key in sorted({(m[5], m[1]) for m in pieces.moves}):
-            index[key] = len(index)
-        n = len(index)
-        p = cls(src=[k[0] for k in index], dst=[k[1] for k in index], nbytes=[0] * n, dur=[0.0] * n,
-                moves=[[] for _ in range(n)], free_groups=[], base_mem={}, capacity=capacity, host_bps=host_bps)
-        readers: dict[tuple, set[int]] = {}
-        for i, m in enumerate(pieces.moves):
-            t = index[(m[5], m[1])]
-            p.nbytes[t] += m[6]
-            p.moves[t].append(i)
-            readers.setdefault((m[0], m[3], m[5]), set()).add(t)
+                    resident_bytes: float | Mapping[int, float] | None, *, hbm_bps: float, host_bps: float,
+                    chunk_parts: int = 8) -> "ScheduleProblem":
+        """Bucket the moves by (src, dst), split long buckets into chunks, derive memory groups."""
         node = cluster.node_of
+
+        def bw(s: int, d: int) -> float:
+            return hbm_bps / 2 if s == d else (bw_intra if node(s) == node(d) else bw_inter)
+
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for i, m in enumerate(pieces.moves):
+            buckets.setdefault((m[5], m[1]), []).append(i)
+        chunks = _chunked(pieces, buckets, bw, chunk_parts)
+        n = len(chunks)
+        p = cls(src=[c[0] for c in chunks], dst=[c[1] for c in chunks], nbytes=[0] * n, dur=[0.0] * n,
+                moves=[c[2] for c in chunks], free_groups=[], base_mem={}, capacity=capacity, host_bps=host_bps)
+        readers: dict[tuple, set[int]] = {}
         for t in range(n):
-            s, d = p.src[t], p.dst[t]
-            bw = hbm_bps / 2 if s == d else (bw_intra if node(s) == node(d) else bw_inter)
-            p.dur[t] = p.nbytes[t] / bw
+            for i in p.moves[t]:
+                m = pieces.moves[i]
+                p.nbytes[t] += m[6]
+                readers.setdefault((m[0], m[3], m[5]), set()).add(t)
+            p.dur[t] = p.nbytes[t] / bw(p.src[t], p.dst[t])
         _memory_groups(p, pieces, readers, resident_bytes)
         p.lower_bound_s = lower_bound(p)
         return p
+
+
+def _chunked(pieces, buckets: dict, bw, parts: int) -> list[tuple[int, int, list[int]]]:
+    """(src, dst, move indices) tasks: a bucket longer than 1/parts of the busiest GPU's load is
+    split into chunks of whole moves (largest first onto the lightest chunk), so that the
+    non-preemptive schedule can interleave it like a preemptive one would."""
+    load: dict[tuple[str, int], float] = {}
+    for (s, d), ms in buckets.items():
+        sec = sum(pieces.moves[i][6] for i in ms) / bw(s, d)
+        for r in ((("copy", s),) if s == d else (("send", s), ("recv", d))):
+            load[r] = load.get(r, 0.0) + sec
+    target = max(load.values(), default=0.0) / max(parts, 1)
+    out = []
+    for (s, d) in sorted(buckets):
+        ms = buckets[(s, d)]
+        sec = sum(pieces.moves[i][6] for i in ms) / bw(s, d)
+        k = min(len(ms), int(sec // target) + 1) if target > 0 and parts > 1 else 1
+        if k <= 1:
+            out.append((s, d, ms))
+            continue
+        bins: list[list] = [[0, j, []] for j in range(k)]
+        for i in sorted(ms, key=lambda i: (-pieces.moves[i][6], i)):
+            b = min(bins, key=lambda b: (b[0], b[1]))
+            b[0] += pieces.moves[i][6]
+            b[2].append(i)
+        out.extend((s, d, sorted(b[2])) for b in bins if b[2])
+    return out
 
 
 def _memory_groups(p: ScheduleProblem, pieces, readers: dict, resident_bytes) -> None:
@@ -172,6 +202,10 @@ class _GreedyState:
         self.started = bytearray(n)
         self.start, self.end = [-1.0] * n, [0.0] * n
         self.events: list[tuple[float, int]] = []
+        self.rem_send, self.rem_recv, self.rem_copy = [0.0] * G, [0.0] * G, [0.0] * G
+        for t in range(n):
+            self.rem_send[src[t]] += dur[t]
+            self.rem_recv[dst[t]] += dur[t]
 
     def _go(self, t: int, now: float) -> None:
         s, d = self.src[t], self.dst[t]
@@ -180,41 +214,49 @@ class _GreedyState:
         else:
             self.send_busy[s] = self.recv_busy[d] = 1
         self.started[t] = 1
+        self.rem_send[s] -= self.dur[t]
+        self.rem_recv[d] -= self.dur[t]
         self.mem[d] += self.nb[t]
         self.start[t], self.end[t] = now, now + self.dur[t]
         heapq.heappush(self.events, (self.end[t], t))
 
-    def _scan(self, q: list[int], now: float, other: list[int], busy: bytearray) -> None:
-        started, mem, nb, dst, ready, cap = self.started, self.mem, self.nb, self.dst, self.ready, self.cap
+    def _scan(self, q: list[int], now: float, other: list[int], busy: bytearray, rem: list[float]) -> None:
+        """Start the queued task whose other end has the most work left (ties: queue order)."""
+        started, mem, nb, dst, src, ready, cap = self.started, self.mem, self.nb, self.dst, self.src, self.ready, self.cap
         while q and started[q[-1]]:
             q.pop()
+        best, best_rem = -1, -1.0
         for t in q:
             if started[t]:
                 continue
             o, d = other[t], dst[t]
-            if busy[o] or ready[d] > now or ready[self.src[t]] > now or mem[d] + nb[t] > cap:
+            if busy[o] or rem[o] <= best_rem or ready[d] > now or ready[src[t]] > now or mem[d] + nb[t] > cap:
                 continue
-            self._go(t, now)
-            return
+            best, best_rem = t, rem[o]
+        if best >= 0:
+            self._go(best, now)
 
     def _kick(self, g: int, now: float, out_q, in_q, copy_q) -> None:
         if not self.send_busy[g]:
-            self._scan(out_q[g], now, self.dst, self.recv_busy)
+            self._scan(out_q[g], now, self.dst, self.recv_busy, self.rem_recv)
         if not self.recv_busy[g]:
-            self._scan(in_q[g], now, self.src, self.send_busy)
+            self._scan(in_q[g], now, self.src, self.send_busy, self.rem_send)
         if not self.copy_busy[g]:
-            self._scan(copy_q[g], now, self.dst, self.copy_busy)
+            self._scan(copy_q[g], now, self.dst, self.copy_busy, self.rem_copy)
 
     def run(self, out_q, in_q, copy_q, groups_of, left, free_groups, wake, staged) -> Schedule | None:
         now, done = 0.0, 0
-        dirty = set(range(len(self.mem)))
+        dirty = list(range(len(self.mem)))  # GPUs to look at, in a deterministic order
         while done < self.n:
-            for g in sorted(dirty):
-                self._kick(g, now, out_q, in_q, copy_q)
-            dirty = set()
+            seen = set()
+            for g in dirty:
+                if g not in seen:
+                    seen.add(g)
+                    self._kick(g, now, out_q, in_q, copy_q)
+            dirty = []
             if wake and (not self.events or wake[0] < self.events[0][0]):
                 now = max(now, wake.pop(0))
-                dirty = set(range(len(self.mem)))
+                dirty = list(range(len(self.mem)))
                 continue
             if not self.events:
                 return None  # nothing runs and nothing fits: memory deadlock
@@ -227,14 +269,14 @@ class _GreedyState:
                     self.copy_busy[s] = 0
                 else:
                     self.send_busy[s] = self.recv_busy[d] = 0
-                dirty.add(s)
-                dirty.add(d)
+                dirty.append(s)
+                dirty.append(d)
                 for gi in groups_of[t]:
                     left[gi] -= 1
                     if left[gi] == 0:
                         g, b, _ = free_groups[gi]
                         self.mem[g] -= b
-                        dirty.add(g)
+                        dirty.append(g)
         return Schedule(self.start, self.end, max(self.end, default=0.0), "greedy", dict(staged))
 
 
@@ -307,7 +349,8 @@ def solve_cpsat(p: ScheduleProblem, hint: Schedule, *, time_limit_s: float = 2.0
     """Time-indexed CP-SAT model seeded with ``hint``; None when it finds nothing.
 
     Determinism: one worker and a *deterministic* time limit, so every rank gets the same answer
-    whatever its CPU speed (``time_limit_s`` is read as deterministic seconds).
+    whatever its CPU speed (``time_limit_s`` is read as deterministic seconds); a wall-clock guard
+    of 4x that stops it on a badly overloaded machine (only then may answers differ).
     """
     from ortools.sat.python import cp_model
 
@@ -331,6 +374,7 @@ def solve_cpsat(p: ScheduleProblem, hint: Schedule, *, time_limit_s: float = 2.0
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = 4 * time_limit_s  # wall-clock guard on a loaded machine
     status = solver.solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -152,12 +152,28 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
                 out.templates.append(Template(role, names, kinds, dtype))
+                cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
+                             (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
                 _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa), _holder_map(job, role, t, kinds[0], pb),
-                                 DTYPE_BYTES[dtype] * len(names) * len(kinds))
+                                 cuts, DTYPE_BYTES[dtype] * len(names) * len(kinds))
     return out
 
 
-def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, unit_bytes: int) -> None:
+@lru_cache(maxsize=4096)
+def _cuts(shape: tuple[int, ...], tp_dim: int | None, tp_max: int | None, grid_a: tuple, grid_b: tuple) -> dict:
+    """Destination box -> ((source box, intersection, elements), ...) for one tensor shape and
+    the two shard grids (DP-sharded, tp, dp): the same for every layer and stage, so computed once."""
+    boxes_a = {box for _, _, box in _box_grid(shape, tp_dim, tp_max, *grid_a)}
+    boxes_b = {box for _, _, box in _box_grid(shape, tp_dim, tp_max, *grid_b)}
+    index = BoxIndex(sorted(boxes_a))
+    out = {}
+    for box in sorted(boxes_b):
+        cuts = ((sbox, intersect(box[0], box[1], sbox[0], sbox[1])) for sbox in index.overlapping(*box))
+        out[box] = tuple((sbox, cut, volume(cut[1])) for sbox, cut in cuts)
+    return out
+
+
+def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, cuts: dict, unit_bytes: int) -> None:
     if src == dst:  # nothing changes for this tensor kind: every holding is kept in place
         for box, gpus in dst.items():
             b = volume(box[1]) * unit_bytes
@@ -167,27 +183,24 @@ def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, unit_bytes: int
                 out.kept.append((ti, box, g))
                 out.src_units.append((ti, box, g, b, True))
         return
-    index = BoxIndex(src.keys())
     src_sets = {box: frozenset(g) for box, g in src.items()}
     kept_at: set[tuple[tuple, int]] = set()
+    moves, kept = out.moves, out.kept
     for box, gpus in dst.items():
         nbytes = volume(box[1]) * unit_bytes
         out.dst_bytes += nbytes * len(gpus)
-        overl = index.overlapping(*box)
-        cuts = [(sbox, intersect(box[0], box[1], sbox[0], sbox[1])) for sbox in overl]
+        here = src_sets.get(box, ())
         for g in gpus:
-            if box in src_sets and g in src_sets[box]:
-                out.kept.append((ti, box, g))
+            if g in here:
+                kept.append((ti, box, g))
                 out.bytes_kept += nbytes
                 kept_at.add((box, g))
                 continue
-            for sbox, cut in cuts:
-                holders = src[sbox]
-                b = volume(cut[1]) * unit_bytes
+            for sbox, cut, n in cuts[box]:
                 if g in src_sets[sbox]:
-                    out.moves.append([ti, g, cut, sbox, (g,), g, b])
+                    moves.append([ti, g, cut, sbox, (g,), g, n * unit_bytes])
                 else:
-                    out.moves.append([ti, g, cut, sbox, holders, -1, b])
+                    moves.append([ti, g, cut, sbox, src[sbox], -1, n * unit_bytes])
     for box, gpus in src.items():
         b = volume(box[1]) * unit_bytes
         for g in gpus:
@@ -279,19 +292,27 @@ def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: P
         if p.num_gpus > cluster.num_gpus:
             raise TransitionError(f"a plan uses {p.num_gpus} GPUs but the cluster has {cluster.num_gpus}")
     t0 = time.perf_counter()
+    clock = [("start", t0)]
     pieces = compute_pieces(job, plan_a, plan_b, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
+    clock.append(("pieces", time.perf_counter()))
     bw_intra, bw_inter = link_bandwidths(cluster, bandwidth_override=bandwidth_override)
     choose_sources(pieces, cluster, bw_intra, bw_inter)
+    clock.append(("choice", time.perf_counter()))
     cap = float(capacity_bytes if capacity_bytes is not None else cluster.gpu.usable_bytes)
     problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
                                           hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
                                           host_bps=CostParams().host_link_gbps * 1e9)
+    clock.append(("buckets", time.perf_counter()))
     sched = schedule_transition(problem, scheduler=scheduler, time_limit_s=time_limit_s)
+    clock.append(("schedule", time.perf_counter()))
+    _PHASES[:] = [(name, t - clock[i][1]) for i, (name, t) in enumerate(clock[1:])]
     return assemble(job, cluster, plan_a, plan_b, pieces, problem, sched, t0, mixed_precision=mixed_precision,
                     include_optimizer=include_optimizer, materialize=materialize)
 
 
 _COST_CACHE: dict[tuple, float] = {}
+_PHASES: list[tuple[str, float]] = []
+"""Seconds per phase of the last build_transition (reported in TransitionPlan.stats)."""
 
 
 def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSpec | None = None) -> float:
@@ -420,7 +441,8 @@ def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, mat
     return (("ops", n_ops), ("buckets", problem.n), ("rounds", 1 + max(rounds, default=-1)), ("materialized", materialized),
             ("bytes_local_copy", by["local"]), ("bytes_intra_node", by["intra"]), ("bytes_inter_node", by["inter"]),
             ("dst_bytes", pieces.dst_bytes), ("peak_mem_bytes", max(peak.values(), default=0.0)),
-            ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status))
+            ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status),
+            *((f"time_{name}_s", round(sec, 4)) for name, sec in _PHASES))
 
 
 def transition_graph(result: TransitionResult):
@@ -439,16 +461,17 @@ def transition_graph(result: TransitionResult):
         a, b = p.src[t], p.dst[t]
         attrs = dict(src=a, dst=b, nbytes=int(p.nbytes[t]), start_s=s.start[t], end_s=s.end[t], round=result.rounds[t],
                      regions=sum(result.pieces.templates[result.pieces.moves[i][0]].mult for i in p.moves[t]))
-        alloc = f"alloc:g{b}<-g{a}"
+        tag = f"g{a}->g{b}#{t}"
+        alloc = f"alloc:{tag}"
         g.add_node(alloc, kind="alloc", gpu=b, nbytes=int(p.nbytes[t]), start_s=s.start[t])
         if a == b:
-            step[t] = f"copy:g{a}"
+            step[t] = f"copy:{tag}"
             g.add_node(step[t], kind="copy", **attrs)
         else:
-            step[t] = f"recv:g{a}->g{b}"
-            g.add_node(f"send:g{a}->g{b}", kind="send", **attrs)
+            step[t] = f"recv:{tag}"
+            g.add_node(f"send:{tag}", kind="send", **attrs)
             g.add_node(step[t], kind="recv", **attrs)
-            g.add_edge(f"send:g{a}->g{b}", step[t], kind="data")
+            g.add_edge(f"send:{tag}", step[t], kind="data")
         g.add_edge(alloc, step[t], kind="alloc")
     tight = {d for d in set(p.dst) if p.base_mem.get(d, 0.0) + sum(p.nbytes[t] for t in range(p.n) if p.dst[t] == d) > p.capacity}
     for i, (gpu, nbytes, readers) in enumerate(p.free_groups):
@@ -456,12 +479,12 @@ def transition_graph(result: TransitionResult):
         when = s.staged.get(gpu, max(s.end[r] for r in readers))
         g.add_node(node, kind="free", gpu=gpu, nbytes=int(nbytes), time_s=when, staged=gpu in s.staged)
         for r in readers:  # staged state is read from host memory after it has left the GPU
-            g.add_edge(*((node, f"send:g{gpu}->g{p.dst[r]}" if p.dst[r] != gpu else step[r]) if gpu in s.staged
+            g.add_edge(*((node, f"send:g{gpu}->g{p.dst[r]}#{r}" if p.dst[r] != gpu else step[r]) if gpu in s.staged
                          else (step[r], node)), kind="data")
         if gpu in tight:
             for t in range(p.n):
                 if p.dst[t] == gpu and s.start[t] >= when:
-                    g.add_edge(node, f"alloc:g{gpu}<-g{p.src[t]}", kind="memory")
+                    g.add_edge(node, f"alloc:g{p.src[t]}->g{gpu}#{t}", kind="memory")
     if not nx.is_directed_acyclic_graph(g):
         raise TransitionError("transition graph has a cycle (planner bug)")
     return g
