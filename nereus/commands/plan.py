@@ -1,0 +1,204 @@
+"""nereus plan: the best memory-feasible plan (TP/PP/DP and pool of every model-stage), or a sweep
+of how it changes as one workload knob grows."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from nereus.commands.common import GiB, add_job_cluster, console, load_specs, pos_float, pos_int, write_json
+from nereus.errors import InfeasibleError, SpecError
+
+SWEEP_KEYS = ("response-len-mean", "response-len-max", "gpus")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="best memory-feasible plan for a job on a cluster",
+                       description="Choose TP/PP/DP, micro-batch, ZeRO and GPU pool of every model-stage so that "
+                                   "every GPU fits in memory and the predicted step time is minimal.")
+    add_job_cluster(p)
+    p.add_argument("--response-len-mean", type=pos_float, help="override the job's mean response length")
+    p.add_argument("--response-len-max", type=pos_int, help="override the job's response length cap")
+    p.add_argument("--gpus", type=pos_int, help="resize the cluster to this many GPUs")
+    p.add_argument("--backend", choices=("cpsat", "pulp", "greedy", "brute"), default="cpsat")
+    p.add_argument("--time-limit", type=pos_float, default=10.0, metavar="S", help="solver time limit (seconds)")
+    p.add_argument("--workers", type=pos_int, default=1, help="solver threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--placement", choices=("any", "colocated", "disaggregated"), default="any",
+                   help="any (solver chooses), colocated (verl-like), disaggregated (OpenRLHF-like)")
+    p.add_argument("--sweep", metavar="KEY=START:STOP:STEP",
+                   help=f"sweep one knob ({', '.join(SWEEP_KEYS)}); STEP is xK (multiply) or +K (add), "
+                        "e.g. response-len-mean=1024:32768:x2 (the cap keeps the job's max/mean ratio)")
+    p.add_argument("--plot", metavar="OUT.png", help="with --sweep: write a PNG of step time against the knob")
+    p.add_argument("--json", metavar="OUT", help="write the plan (or the sweep rows) as JSON")
+    return p
+
+
+def parse_sweep(text: str) -> tuple[str, list[float]]:
+    """'response-len-mean=1024:32768:x2' -> ('response-len-mean', [1024, 2048, ..., 32768])."""
+    try:
+        key, rng = text.split("=", 1)
+        start_s, stop_s, step_s = rng.split(":")
+        start, stop = float(start_s), float(stop_s)
+        mult = step_s.startswith("x")
+        step = float(step_s[1:] if step_s[:1] in ("x", "+") else step_s)
+    except ValueError:
+        raise SpecError(f"--sweep: expected KEY=START:STOP:STEP (e.g. response-len-mean=1024:32768:x2), got {text!r}") from None
+    if key not in SWEEP_KEYS:
+        raise SpecError(f"--sweep: unknown knob {key!r}; choose one of {', '.join(SWEEP_KEYS)}")
+    if start <= 0 or stop < start or (mult and step <= 1) or (not mult and step <= 0):
+        raise SpecError(f"--sweep: need 0 < START({start:g}) <= STOP({stop:g}) and a growing STEP({step_s})")
+    values, v = [], start
+    while v <= stop * (1 + 1e-12) and len(values) < 200:
+        values.append(v)
+        v = v * step if mult else v + step
+    return key, values
+
+
+def _problem(args, job, cluster, params, *, mean=None, max_=None, gpus=None):
+    from nereus.planner.solver import PlanConstraints, PlanProblem
+
+    w = job.workload()
+    mean = mean if mean is not None else args.response_len_mean
+    max_ = max_ if max_ is not None else args.response_len_max
+    if mean is not None and max_ is None and mean > w.response_len_max:
+        max_ = int(math.ceil(mean * w.response_len_max / w.response_len_mean))  # keep the job's tail ratio
+    if mean is not None or max_ is not None:
+        if mean is not None and max_ is not None and mean > max_:
+            raise SpecError(f"response-len-mean({mean:g}) > response-len-max({max_})")
+        w = w.with_lengths(mean=mean, max_=max_)
+    gpus = gpus or args.gpus
+    if gpus:
+        cluster = cluster.with_gpus(int(gpus))
+    return PlanProblem(job=job, cluster=cluster, workload=w, params=params,
+                       constraints=PlanConstraints(placement=args.placement))
+
+
+def _solve(args, problem):
+    from nereus.planner.solver import solve
+
+    return solve(problem, backend=args.backend, time_limit_s=args.time_limit, workers=args.workers, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    job, cluster, params = load_specs(args)
+    if args.plot and not args.sweep:
+        raise SpecError("--plot needs --sweep")
+    if args.sweep:
+        return _run_sweep(args, job, cluster, params)
+    problem = _problem(args, job, cluster, params)
+    sol = _solve(args, problem)
+    write_json(args.json, sol.to_dict())
+    if sol.plan is None:
+        raise InfeasibleError(f"INFEASIBLE: {sol.message}")
+    print_plan(problem, sol)
+    return 0
+
+
+def print_plan(problem, sol) -> None:
+    from rich.table import Table
+
+    con = console()
+    con.width = max(con.width, 120)
+    c, w = problem.cluster, problem.workload
+    con.print(f"[bold]{problem.job.algorithm.upper()}[/] on {c.num_gpus} x {c.gpu.name}, {w.sequences} sequences x "
+              f"({w.prompt_len} prompt + {w.response_len_mean:g} mean / {w.response_len_max} max response)")
+    cap = c.gpu.usable_bytes / GiB
+    t = Table("model-stage", "tp", "pp", "dp", "options", "pool", "GPUs", "time (s)", "mem/GPU (GiB)")
+    for s in sol.plan.stages:
+        cfg = s.config
+        opts = "" if s.stage == "generation" else f"mb{cfg.micro_batch}" + \
+            (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "")
+        t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
+                  f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
+                  f"{s.mem_gib:.1f} / {cap:.1f}")
+    con.print(t)
+    ex = dict(sol.plan.extras)
+    phases = ", ".join(f"{x:.2f}" for x in ex.get("phase_makespan_s", ()))
+    con.print(f"predicted step time: [bold]{sol.plan.step_time_s:.2f} s[/] (phases {phases}; weight sync "
+              f"{ex.get('weight_sync_s', 0.0):.3f} s)")
+    gap = "-" if not math.isfinite(sol.gap) else f"{sol.gap:.2%}"
+    con.print(f"status {sol.status}, gap {gap}, {sol.backend} in {sol.wall_s:.2f} s")
+
+
+def _row(key, value, sol) -> dict:
+    row = {key: value, "status": sol.status, "step_time_s": sol.objective if sol.plan else None,
+           "solve_s": sol.wall_s, "gap": sol.gap if sol.plan else None}
+    if sol.plan is not None:
+        row["model_stages"] = [s.to_dict() for s in sol.plan.stages]
+    else:
+        row["message"] = sol.message
+    return row
+
+
+def _run_sweep(args, job, cluster, params) -> int:
+    from rich.progress import track
+    from rich.table import Table
+
+    key, values = parse_sweep(args.sweep)
+    rows, sols = [], []
+    for v in track(values, description=f"sweeping {key}", console=console(), transient=True):
+        kw = {"mean": v} if key == "response-len-mean" else {"max_": int(v)} if key == "response-len-max" else {"gpus": int(v)}
+        problem = _problem(args, job, cluster, params, **kw)
+        sol = _solve(args, problem)
+        rows.append(_row(key, v, sol))
+        sols.append(sol)
+    t = Table(key, "status", "step (s)", "solve (s)", "generation", "actor/training", "critic/training",
+              "ref/inference", "reward/inference")
+    for v, sol in zip(values, sols):
+        cells = []
+        for name in ("actor/generation", "actor/training", "critic/training", "ref/inference", "reward/inference"):
+            if sol.plan is None or name not in {s.name for s in sol.plan.stages}:
+                cells.append("-")
+                continue
+            s = sol.plan.stage(name)
+            cells.append(f"{s.config.label()}@{s.gpus}")
+        step = f"{sol.objective:.2f}" if sol.plan else "-"
+        t.add_row(f"{v:g}", sol.status, step, f"{sol.wall_s:.2f}", *cells)
+    con = console()
+    con.width = max(con.width, 140)
+    con.print(t)
+    infeasible = [r for r in rows if r["status"] == "INFEASIBLE"]
+    if infeasible:
+        con.print(f"first infeasible at {key}={infeasible[0][key]:g}: {infeasible[0].get('message', '')}")
+    write_json(args.json, rows)
+    if args.plot:
+        plot_sweep(key, values, sols, args.plot)
+        con.print(f"wrote {args.plot}")
+    return 0
+
+
+def plot_sweep(key: str, values, sols, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [v for v, s in zip(values, sols) if s.plan is not None]
+    ys = [s.objective for s in sols if s.plan is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, ys, marker="o", label="optimal plan (predicted, analytic cost model)")
+    prev = None
+    for x, s in zip(xs, [s for s in sols if s.plan is not None]):
+        g = s.plan.stage("actor/generation").config
+        label = f"gen {g.label()}"
+        if label != prev:
+            ax.annotate(label, (x, s.objective), textcoords="offset points", xytext=(4, 6), fontsize=7)
+            prev = label
+    bad = [v for v, s in zip(values, sols) if s.plan is None]
+    for v in bad:
+        ax.axvline(v, color="red", alpha=0.3)
+    if bad:
+        ax.plot([], [], color="red", alpha=0.3, label="infeasible (OOM at every plan)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(key)
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title("nereus plan sweep (predicted by the cost model, not measured)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        raise SpecError(f"cannot write {out}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
