@@ -231,21 +231,6 @@ def prune_dominated(opts: list[Option]) -> list[Option]:
     return [opts[i] for i in sorted(keep_idx)]
 
 
-def prune_across_sizes(problem: PlanProblem, unit: Unit, opts: list[Option]) -> list[Option]:
-    """Drop an option when one on a smaller pool is no worse on every axis. Valid for units other
-    than generation and actor training (whose weight sync depends on pool overlap and size):
-    shrinking a pool to a buddy sub-block only removes the unit from some GPUs, so no GPU's memory
-    or load grows. Not used with a fixed placement (pool sizes are given)."""
-    if unit.name in (GEN, ACTOR) or problem.constraints.fixed_placement is not None:
-        return opts
-    keep = []
-    for o in opts:
-        a = _axes(o)
-        if not any(q.size < o.size and all(y <= x for x, y in zip(a, _axes(q))) for q in opts):
-            keep.append(o)
-    return keep
-
-
 def fixed_sizes(problem: PlanProblem) -> tuple[int, ...]:
     fp = problem.constraints.fixed_placement
     return tuple(sorted({s.gpus for s in fp.stages})) if fp is not None else ()
@@ -274,7 +259,7 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
         opts: list[Option] = []
         for s in sizes:
             opts += prune_dominated(unit_options(problem, ui, u, s, n_phases, sync_keys))
-        options.append(tuple(prune_across_sizes(problem, u, opts)))
+        options.append(tuple(opts))
     return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
                   num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys)
 

@@ -7,7 +7,7 @@ does. Fast and usually good; it proves nothing (its gap is reported against no b
 from __future__ import annotations
 
 from nereus.planner.solver.assignment import Assignment, objective
-from nereus.planner.solver.candidates import Tables
+from nereus.planner.solver.candidates import Tables, prune_by_bound
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, greedy_templates
 
@@ -47,9 +47,17 @@ def _fill(t: Tables, sk: Skeleton, max_rounds: int = 50) -> tuple[float, Assignm
 
 
 def greedy(problem: PlanProblem, t: Tables) -> tuple[float, Assignment, Skeleton] | None:
-    """Best (objective, assignment, template) over the templates, or None if none fits."""
+    """Best (objective, assignment, template) over the templates, or None if none fits.
+
+    The first template's answer bounds the step time, so options that cannot beat it are pruned
+    (candidates.prune_by_bound) before the remaining templates are searched."""
     best = None
-    for sk in greedy_templates(problem, t):
+    templates = greedy_templates(problem, t)
+    first = _fill(t, templates[0]) if templates else None
+    if first is not None:
+        best = (first[0], first[1], templates[0])
+        t = prune_by_bound(t, first[0])
+    for sk in templates[1:]:
         r = _fill(t, sk)
         if r is not None and (best is None or r[0] < best[0]):
             best = (r[0], r[1], sk)

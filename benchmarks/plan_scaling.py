@@ -1,0 +1,95 @@
+"""Plan-solver scaling: PPO with four models (Llama-3.1-8B and -70B) on 8, 64, 256 and 1,024 H100s,
+solved by cpsat, pulp and greedy side by side. Prints a table; --json writes the rows.
+
+solve_s is the wall time of the whole call to ``solve`` from a cold start (option tables, greedy,
+model, search); the option tables are rebuilt for every backend so no backend rides on another's
+cache. cpu_s is the CPU time of the same call, this process plus its children (CBC runs as a
+child), which stays meaningful when other work shares the machine's two cores. Step times are
+predictions of the analytic cost model, not measurements.
+
+    .venv/bin/python benchmarks/plan_scaling.py [--json OUT] [--time-limit S] [--workers N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nereus.planner.solver import PlanProblem, solve  # noqa: E402
+from nereus.planner.solver.candidates import _build_tables_cached  # noqa: E402
+from nereus.planner.specs import load_cluster, load_job  # noqa: E402
+
+JOBS = {"llama-3.1-8b": ROOT / "examples/ppo-8b.yaml", "llama-3.1-70b": ROOT / "examples/ppo-70b.yaml"}
+GPUS = (8, 64, 256, 1024)
+BACKENDS = ("cpsat", "pulp", "greedy")
+
+
+def run(time_limit_s: float, workers: int, gpus=GPUS, backends=BACKENDS) -> list[dict]:
+    from rich.progress import track
+
+    cases = [(m, g, b) for m in JOBS for g in gpus for b in backends]
+    rows = []
+    for model, g, backend in track(cases, description="solving", transient=True):
+        job = load_job(JOBS[model])
+        cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(g)
+        _build_tables_cached.cache_clear()  # cold start for every backend
+        cpu0 = _cpu()
+        sol = solve(PlanProblem(job=job, cluster=cluster, workload=job.workload()), backend=backend,
+                    time_limit_s=time_limit_s, workers=workers, seed=0)
+        rows.append({"model": model, "gpus": g, "backend": backend, "status": sol.status, "solve_s": sol.wall_s,
+                     "gap": None if not math.isfinite(sol.gap) else sol.gap,
+                     "step_time_s": sol.objective if sol.plan is not None else None,
+                     "cpu_s": _cpu() - cpu0, "message": sol.message})
+    return rows
+
+
+def _cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("model", "GPUs", *[f"{b} {k}" for b in BACKENDS for k in ("status", "wall s", "cpu s", "gap", "step s")],
+              title="plan solver scaling (PPO, 4 models, H100; step times predicted by the cost model)")
+    by = {(r["model"], r["gpus"], r["backend"]): r for r in rows}
+    for model in JOBS:
+        for g in sorted({r["gpus"] for r in rows}):
+            cells = []
+            for b in BACKENDS:
+                r = by.get((model, g, b))
+                if r is None:
+                    cells += ["-"] * 5
+                    continue
+                gap = "-" if r["gap"] is None else f"{r['gap']:.2%}"
+                step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.2f}"
+                cells += [r["status"], f"{r['solve_s']:.2f}", f"{r['cpu_s']:.2f}", gap, step]
+            t.add_row(model, str(g), *cells)
+    Console(width=200).print(t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--gpus", type=int, nargs="*", default=list(GPUS))
+    args = ap.parse_args()
+    rows = run(args.time_limit, args.workers, tuple(args.gpus))
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: r[k] for k in ("model", "gpus", "backend", "status", "solve_s",
+                                                                   "cpu_s", "gap", "step_time_s")} for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
