@@ -55,6 +55,7 @@ class ScheduleProblem:
         def bw(s: int, d: int) -> float:
             return hbm_bps / 2 if s == d else (bw_intra if node(s) == node(d) else bw_inter)
 
+        _split_long_moves(pieces, bw, chunk_parts)
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, m in enumerate(pieces.moves):
             buckets.setdefault((m[5], m[1]), []).append(i)
@@ -72,6 +73,32 @@ class ScheduleProblem:
         _memory_groups(p, pieces, readers, resident_bytes)
         p.lower_bound_s = lower_bound(p)
         return p
+
+
+def _split_long_moves(pieces, bw, parts: int) -> None:
+    """Split any move longer than 1/(2 parts) of the busiest GPU's load into row ranges (dim 0):
+    a destination region may be assembled from several pieces, and short pieces let the
+    schedule keep every link busy (a 2 GiB embedding shard would otherwise block a sender)."""
+    if parts <= 1 or not pieces.moves:
+        return
+    load: dict[tuple[str, int], float] = {}
+    for m in pieces.moves:
+        s, d = m[5], m[1]
+        for r in ((("copy", s),) if s == d else (("send", s), ("recv", d))):
+            load[r] = load.get(r, 0.0) + m[6] / bw(s, d)
+    target = max(load.values()) / (2 * parts)
+    out = []
+    for m in pieces.moves:
+        (off, ln), sec = m[2], m[6] / bw(m[5], m[1])
+        k = min(ln[0], int(sec // target) + 1) if target > 0 else 1
+        if k <= 1:
+            out.append(m)
+            continue
+        for j in range(k):
+            lo, hi = j * ln[0] // k, (j + 1) * ln[0] // k
+            sub = ((off[0] + lo,) + off[1:], (hi - lo,) + ln[1:])
+            out.append([m[0], m[1], sub, m[3], m[4], m[5], m[6] * (hi - lo) // ln[0]])
+    pieces.moves[:] = out
 
 
 def _chunked(pieces, buckets: dict, bw, parts: int) -> list[tuple[int, int, list[int]]]:

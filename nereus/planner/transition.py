@@ -64,13 +64,15 @@ class Pieces:
     dst_bytes: int = 0
 
 
-def _layer_groups(layers: int, pp_a: int, pp_b: int) -> list[list[int]]:
-    """Layers grouped by (stage in A, stage in B); ordered by first layer."""
+def _layer_groups(layers: int, pp_a: int, pp_b: int, max_group: int) -> list[list[int]]:
+    """Layers grouped by (stage in A, stage in B), at most ``max_group`` per group; ordered by
+    first layer. Smaller groups give the scheduler finer pieces to interleave; larger ones keep
+    big clusters fast."""
     sa, sb = layer_stages(layers, pp_a), layer_stages(layers, pp_b)
     groups: dict[tuple[int, int], list[int]] = {}
     for i in range(layers):
         groups.setdefault((sa[i], sb[i]), []).append(i)
-    return sorted(groups.values())
+    return sorted(g[j:j + max_group] for g in groups.values() for j in range(0, len(g), max_group))
 
 
 def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacement) -> Iterator[tuple[TensorInfo, tuple[str, ...]]]:
@@ -82,7 +84,8 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
             yield t, (t.name,)
         else:
             by_layer.setdefault(t.layer, []).append(t)
-    for layers in _layer_groups(model.layers, pa.config.pp, pb.config.pp):
+    max_group = model.layers  # per-layer templates did not pay off: long moves are split by rows instead
+    for layers in _layer_groups(model.layers, pa.config.pp, pb.config.pp, max_group):
         rep = layers[0]
         prefix = f"layers.{rep}."
         same_split: dict[tuple, list[TensorInfo]] = {}  # e.g. gate/up_proj, k/v_proj, the two norms
@@ -299,13 +302,22 @@ def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: P
     choose_sources(pieces, cluster, bw_intra, bw_inter)
     clock.append(("choice", time.perf_counter()))
     cap = float(capacity_bytes if capacity_bytes is not None else cluster.gpu.usable_bytes)
-    problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
-                                          hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
-                                          host_bps=CostParams().host_link_gbps * 1e9)
-    clock.append(("buckets", time.perf_counter()))
-    sched = schedule_transition(problem, scheduler=scheduler, time_limit_s=time_limit_s)
-    clock.append(("schedule", time.perf_counter()))
-    _PHASES[:] = [(name, t - clock[i][1]) for i, (name, t) in enumerate(clock[1:])]
+    best = None
+    original = list(pieces.moves)
+    # chunking granularities: finer chunks interleave better but cost time; small problems try two
+    for parts in ((8, 24) if len(pieces.moves) <= 20_000 else (8,)):
+        pieces.moves[:] = original  # from_pieces splits long moves in place
+        problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
+                                              hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
+                                              host_bps=CostParams().host_link_gbps * 1e9, chunk_parts=parts)
+        clock.append(("buckets", time.perf_counter()))
+        sched = schedule_transition(problem, scheduler=scheduler, time_limit_s=time_limit_s)
+        clock.append(("schedule", time.perf_counter()))
+        if best is None or sched.makespan_s < best[1].makespan_s * (1 - 1e-9):
+            best = (problem, sched, list(pieces.moves))
+    problem, sched, moves = best
+    pieces.moves[:] = moves
+    _PHASES[:] = [(f"{name}{i}", t - clock[i][1]) for i, (name, t) in enumerate(clock[1:])]
     return assemble(job, cluster, plan_a, plan_b, pieces, problem, sched, t0, mixed_precision=mixed_precision,
                     include_optimizer=include_optimizer, materialize=materialize)
 
