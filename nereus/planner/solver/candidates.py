@@ -237,7 +237,11 @@ def fixed_sizes(problem: PlanProblem) -> tuple[int, ...]:
 
 
 def build_tables(problem: PlanProblem) -> Tables:
-    """Option tables of ``problem`` (cached: the CLI sweep and the backends share them)."""
+    """Option tables of ``problem`` (cached: the CLI sweep and the backends share them). They do not
+    depend on the current plan or the transition cost, so those are left out of the cache key."""
+    import dataclasses
+
+    problem = dataclasses.replace(problem, current_plan=None, transition_cost=None, amortize_steps=0.0)
     try:
         hash(problem)
     except TypeError:  # a plan with unhashable extras, or an unhashable callable

@@ -5,6 +5,7 @@ are added with defaults, never renamed.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -83,8 +84,9 @@ class PlanSolution:
         if self.plan is None:
             return {"status": self.status, "step_time_s": None, "solve_s": self.wall_s, "gap": None,
                     "backend": self.backend, "model_stages": [], "message": self.message}
-        return {**self.plan.to_dict(), "status": self.status, "solve_s": self.wall_s, "gap": self.gap,
-                "backend": self.backend, "objective_s": self.objective, "bound_s": self.bound}
+        finite = lambda x: x if math.isfinite(x) else None  # noqa: E731  (JSON has no NaN)
+        return {**self.plan.to_dict(), "status": self.status, "solve_s": self.wall_s, "gap": finite(self.gap),
+                "backend": self.backend, "objective_s": self.objective, "bound_s": finite(self.bound)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -112,8 +112,11 @@ def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, ti
             cands.append(s2.plan)
     except SpecError:
         pass  # the current pools are not a laminar buddy family: skip that candidate
-    ev = evaluate_plan(problem, cur)
-    if ev.feasible:
+    try:
+        ev = evaluate_plan(problem, cur)
+    except SpecError:  # the current plan lacks a model-stage of this job
+        ev = None
+    if ev is not None and ev.feasible:
         cands.append(replace(cur, step_time_s=ev.step_time_s))
     if not cands:
         return best

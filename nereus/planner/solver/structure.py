@@ -25,6 +25,10 @@ def skeleton_from_plan(problem: PlanProblem, t: Tables) -> Skeleton:
     """The pools of ``constraints.fixed_placement`` as a slot forest (they must be nested or disjoint)."""
     plan = problem.constraints.fixed_placement
     homes = [plan.stage(u.name) for u in t.units]
+    for s in homes:
+        if s.first_gpu + s.gpus > t.num_gpus:
+            raise SpecError(f"fixed placement: {s.name} uses GPUs [{s.first_gpu}, {s.first_gpu + s.gpus}) "
+                            f"beyond the cluster's {t.num_gpus}")
     pools = sorted({(s.first_gpu, s.gpus) for s in homes}, key=lambda p: (-p[1], p[0]))
     parent = []
     for i, (f, g) in enumerate(pools):
