@@ -57,9 +57,11 @@ class _NewLayout:
         self.tensors: dict[Region, torch.Tensor] = {}
         self.filled: dict[Region, int] = {}
         self.kept = kept
+        self.by_key: dict[tuple[str, str, str], list[Region]] = defaultdict(list)
         for h in plan.dst:
             if h.gpu != rank:
                 continue
+            self.by_key[h.region.key].append(h.region)
             if h.region in kept:
                 self.tensors[h.region] = store.get(h.region)
             else:
@@ -68,10 +70,10 @@ class _NewLayout:
                 self.filled[h.region] = 0
 
     def target(self, piece: Region) -> torch.Tensor:
-        for r, t in self.tensors.items():
+        for r in self.by_key.get(piece.key, ()):
             if r not in self.kept and contains(r, piece):
                 self.filled[r] += piece.numel
-                return t[region_slices(r, piece)]
+                return self.tensors[r][region_slices(r, piece)]
         raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
                               "no destination region of this rank")
 
@@ -83,6 +85,9 @@ class _NewLayout:
 
 def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
                timeout_s: float, counters: dict) -> None:
+    """One round: local copies, then every piece to or from a peer through the transport (which
+    buckets the small ones), plus one checksum message per peer; received pieces land directly
+    in their destination region and are verified there."""
     sums_out: dict[int, list[int]] = defaultdict(list)
     incoming: list[tuple[TransferOp, torch.Tensor]] = []
     for op in ops:
@@ -90,30 +95,29 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
             new.target(op.region).copy_(store.read(op.region))
             counters["copied"] += op.region.nbytes
         elif op.src_gpu == rank:
-            payload = store.read(op.region).contiguous()
-            transport.submit_send(op.dst_gpu, payload)
-            sums_out[op.dst_gpu].append(checksum(payload))
+            piece = store.read(op.region)
+            transport.submit_send(op.dst_gpu, piece)
+            sums_out[op.dst_gpu].append(checksum(piece))
             counters["sent"] += op.region.nbytes
         elif op.dst_gpu == rank:
-            buf = torch.empty(op.region.lengths, dtype=TORCH_DTYPES[op.region.dtype], device=store.device)
-            transport.submit_recv(op.src_gpu, buf)
-            incoming.append((op, buf))
-    sums_in: dict[int, torch.Tensor] = {}
+            view = new.target(op.region)
+            transport.submit_recv(op.src_gpu, view)
+            incoming.append((op, view))
     for peer, sums in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(sums, dtype=torch.int64, device=store.device))
+    sums_in: dict[int, torch.Tensor] = {}
     for peer in sorted({op.src_gpu for op, _ in incoming}):
         n = sum(1 for op, _ in incoming if op.src_gpu == peer)
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
     transport.run(timeout_s)
     seen: dict[int, int] = defaultdict(int)
-    for op, buf in incoming:
+    for op, view in incoming:
         expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
         seen[op.src_gpu] += 1
-        if checksum(buf) != expect:
+        if checksum(view) != expect:
             raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
                                   f"{op.region.kind} from rank {op.src_gpu})")
-        new.target(op.region).copy_(buf)
         counters["received"] += op.region.nbytes
 
 

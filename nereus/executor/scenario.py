@@ -64,11 +64,11 @@ def reference(model: ModelSpec, seed: int, r: Region) -> torch.Tensor:
 
 
 def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int, *,
-               random_moments: bool = True) -> None:
+               random_moments: bool = True, roles: tuple[str, ...] | None = None) -> None:
     """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed, step 0.
     Adam moments are random by default so that moving them is checked bit for bit; training
     runs start them at zero like a fresh optimizer."""
-    for role in job.roles:
+    for role in roles or job.roles:
         model = job.model(role)
         kinds = ("param",) + (OPT_KINDS if role in TRAINABLE and random_moments else ())
         regions = rank_regions(model, plan.home(role), rank, role, role in TRAINABLE)

@@ -25,9 +25,15 @@ import torch
 from nereus.errors import TransitionError
 
 
+BUCKET_BYTES = 1 << 20
+"""Tensors below this size share one message per (peer, dtype); larger ones travel on their own
+without a packing copy (both sides decide by size alone, so they agree)."""
+
+
 class Transport(ABC):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.rank = rank
+        self.bucket_bytes = bucket_bytes
         self._sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self._recvs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self.messages = 0
@@ -37,22 +43,42 @@ class Transport(ABC):
         self._sends[(peer, tensor.dtype)].append(tensor)
 
     def submit_recv(self, peer: int, tensor: torch.Tensor) -> None:
+        """``tensor`` may be a non-contiguous view (a slice of a destination region)."""
         self._recvs[(peer, tensor.dtype)].append(tensor)
 
+    def _big(self, t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() >= self.bucket_bytes
+
     def run(self, timeout_s: float) -> None:
-        """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
-        sends = {k: _pack(v) for k, v in sorted(self._sends.items(), key=_key)}
-        recvs = {k: torch.empty(sum(t.numel() for t in v), dtype=k[1], device=v[0].device)
-                 for k, v in sorted(self._recvs.items(), key=_key)}
-        pending = self._recvs
+        """Exchange every submitted tensor; raise TransitionError on failure or timeout.
+        Message order per peer: the bucket of small tensors, then the large ones in submission order."""
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        scatter: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for (peer, _), ts in sorted(self._sends.items(), key=_key):
+            small = [t for t in ts if not self._big(t)]
+            if small:
+                sends.append((peer, _pack(small)))
+            sends += [(peer, t.contiguous()) for t in ts if self._big(t)]
+        for (peer, dtype), ts in sorted(self._recvs.items(), key=_key):
+            small = [t for t in ts if not self._big(t)]
+            if small:
+                flat = torch.empty(sum(t.numel() for t in small), dtype=dtype, device=small[0].device)
+                recvs.append((peer, flat))
+                scatter.append((flat, small))
+            for t in (t for t in ts if self._big(t)):
+                buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=dtype, device=t.device)
+                recvs.append((peer, buf))
+                if buf is not t:
+                    scatter.append((buf.view(-1), [t]))
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
         if not sends and not recvs:
             return
         self.messages += len(sends)
-        self.bytes_sent += sum(b.numel() * b.element_size() for b in sends.values())
+        self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
         self._exchange(sends, recvs, timeout_s)
-        for k, flat in recvs.items():
-            _unpack(flat, pending[k])
+        for flat, into in scatter:
+            _unpack(flat, into)
 
     @abstractmethod
     def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None: ...
@@ -90,15 +116,15 @@ def _unpack(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
 class DistTransport(Transport):
     """torch.distributed point-to-point; works for gloo (CPU) and NCCL (CUDA) alike."""
 
-    def __init__(self, rank: int, group=None) -> None:
-        super().__init__(rank)
+    def __init__(self, rank: int, group=None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(rank, bucket_bytes)
         self.group = group
 
     def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for (peer, _), buf in sends.items()]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for (peer, _), buf in recvs.items()]
+        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
         try:
             works = dist.batch_isend_irecv(ops)
             for w in works:
@@ -153,15 +179,15 @@ class MockHub:
 class MockTransport(Transport):
     """In-process transport: a send clones into the peer's mailbox; a receive waits on it."""
 
-    def __init__(self, rank: int, hub: MockHub) -> None:
-        super().__init__(rank)
+    def __init__(self, rank: int, hub: MockHub, bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(rank, bucket_bytes)
         self.hub = hub
 
     def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
         with self.hub._lock:
-            for (peer, _), buf in sends.items():
+            for peer, buf in sends:
                 self.hub.boxes[(self.rank, peer)].put(buf.clone())
-        for (peer, _), buf in recvs.items():
+        for peer, buf in recvs:
             try:
                 got = self.hub.boxes[(peer, self.rank)].get(timeout=timeout_s)
             except queue.Empty:

@@ -52,11 +52,12 @@ class CorruptingTransport(MockTransport):
     """Flips one bit of the first bucket it sends: the receiver's checksum must catch it."""
 
     def _exchange(self, sends, recvs, timeout_s):
-        for key, buf in sends.items():
+        sends = list(sends)
+        for i, (peer, buf) in enumerate(sends):
             if buf.dtype == torch.float32 and buf.numel():
                 buf = buf.clone()
                 buf.view(torch.int32)[0] ^= 1
-                sends = {**sends, key: buf}
+                sends[i] = (peer, buf)
                 break
         super()._exchange(sends, recvs, timeout_s)
 
@@ -113,3 +114,22 @@ def test_corrupted_bytes_are_caught_and_rolled_back():
     assert all(isinstance(r, TransitionError) for r in results)
     assert "checksum mismatch" in str(results[1])
     assert [s.checksums() for s in stores] == before
+
+
+def test_transport_buckets_small_and_sends_large_alone():
+    hub = MockHub(2)
+    tx, rx = MockTransport(0, hub, bucket_bytes=1024), MockTransport(1, hub, bucket_bytes=1024)
+    small = [torch.randn(8) for _ in range(20)]
+    big = torch.randn(64, 32)
+    dst_small = [torch.empty(8) for _ in range(20)]
+    dst_big = torch.empty(32, 64).t()  # a non-contiguous destination view
+    for t in small + [big]:
+        tx.submit_send(1, t)
+    for t in dst_small + [dst_big]:
+        rx.submit_recv(0, t)
+    th = threading.Thread(target=tx.run, args=(5.0,))
+    th.start()
+    rx.run(5.0)
+    th.join()
+    assert tx.messages == 2  # one bucket of 20 small tensors, one large tensor alone
+    assert all(torch.equal(a, b) for a, b in zip(small, dst_small)) and torch.equal(big, dst_big)
