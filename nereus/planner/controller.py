@@ -105,8 +105,8 @@ class Controller:
                  margin: float = 0.25, audit_path: str | None = None, *, initial_plan: Plan | None = None,
                  initial_gpus: int | None = None, initial_workload: Workload | None = None,
                  total_steps: int | None = None, patience: int = 2, min_dwell: int = 5, mode: str = "adaptive",
-                 rule: LayoutRule = FREE, bucket_ratio: float = 1.04, solve_bucket_ratio: float = 1.2,
-                 calib_resolution: float = 0.10, library_size: int = 24, min_gain: float = 0.01,
+                 rule: LayoutRule = FREE, bucket_ratio: float = 1.04, solve_bucket_ratio: float = 1.25,
+                 calib_resolution: float = 0.10, library_size: int = 12, min_gain: float = 0.01,
                  forecast_window: int = 30, time_limit_s: float = 5.0, seed: int = 0,
                  build_transition: bool = True, transition_cost_fn: Callable[[Plan, Plan], float] | None = None,
                  plans: PlanCache | None = None, audit: AuditLog | None = None) -> None:
@@ -292,13 +292,15 @@ class Controller:
             self._ask("best-next", self.rule, ws[0])
         else:
             self._ask("best-horizon", self.rule, ws[len(ws) // 2])
-            if self.plan.num_gpus <= self.gpus:
+            if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
+                # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
                 self._ask("keep-layout", keep_layout(self.plan), ws[len(ws) // 2])
         cur = plan_key(self.plan)
         cur_s = self._cur_horizon_s
         out = []
         for key, (p, origin) in self._library.items():
-            if key == cur or p.num_gpus > self.gpus:
+            # plans for fewer GPUs than granted stay in the library but are only scored when forced
+            if key == cur or p.num_gpus > self.gpus or (p.num_gpus < self.gpus and not must):
                 continue
             c = _Candidate(p, origin)
             self._score(c, ws, offsets)

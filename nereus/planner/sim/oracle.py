@@ -88,8 +88,9 @@ def edge_matrix(gt: GroundTruth, plans: list[Plan], extra: list[int], edge_budge
             t = gt.known_transition(a, b)
             if t is not None:
                 trans[i, j] = t
+    # extra plans connect to plans of the same GPU count (moves within a regime) and from smaller ones
     pairs = [(i, j) for j in extra for i in range(k) if i != j and plans[i].num_gpus <= plans[j].num_gpus]
-    pairs += [(j, i) for j in extra for i in range(k) if i != j and plans[i].num_gpus >= plans[j].num_gpus]
+    pairs += [(j, i) for j in extra for i in range(k) if i != j and plans[i].num_gpus == plans[j].num_gpus]
     pairs.sort(key=lambda p: (max(plans[p[0]].num_gpus, plans[p[1]].num_gpus), p))
     for i, j in [p for p in pairs if not np.isfinite(trans[p])][:edge_budget]:
         trans[i, j] = gt.transition_s(plans[i], plans[j])

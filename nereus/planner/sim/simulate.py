@@ -112,7 +112,7 @@ def _failed(obs):
 
 
 def oracle_candidates(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: Iterable[PolicyResult],
-                      samples: int = 4) -> tuple[list[Plan], list[int]]:
+                      samples: int = 2) -> tuple[list[Plan], list[int]]:
     """Every plan the online policies used, plus the solver's best under the *true* parameters for
     ``samples`` evenly spaced trace segments and the first segment after every GPU change; returns
     (plans, indices of the extra plans)."""
@@ -138,7 +138,7 @@ def run_oracle(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, re
     t0 = time.perf_counter()
     solves0 = plans.solves
     cands, extra = oracle_candidates(job, trace, gt, plans, results)
-    path = solve_oracle(gt, trace, job.workload(), cands, extra)
+    path = solve_oracle(gt, trace, job.workload(), cands, extra, edge_budget=16)
     used = {path.plan_index[0]} | set(path.plan_index)
     return PolicyResult(policy="oracle", step_s=path.step_s, transition_s=path.transition_s,
                         infeasible=(False,) * len(path.step_s), plans=tuple(cands[i] for i in sorted(used)),
