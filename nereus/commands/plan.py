@@ -25,6 +25,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--placement", choices=("any", "colocated", "disaggregated"), default="any",
                    help="any (solver chooses), colocated (verl-like), disaggregated (OpenRLHF-like)")
+    p.add_argument("--offload", action="store_true",
+                   help="let trainable models keep optimizer state in host memory (at its transfer time)")
     p.add_argument("--sweep", metavar="KEY=START:STOP:STEP",
                    help=f"sweep one knob ({', '.join(SWEEP_KEYS)}); STEP is xK (multiply) or +K (add), "
                         "e.g. response-len-mean=1024:32768:x2 (the cap keeps the job's max/mean ratio)")
@@ -55,7 +57,7 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
 
 
 def _problem(args, job, cluster, params, *, mean=None, max_=None, gpus=None):
-    from nereus.planner.solver import PlanConstraints, PlanProblem
+    from nereus.planner.solver import CandidateSettings, PlanConstraints, PlanProblem
 
     w = job.workload()
     mean = mean if mean is not None else args.response_len_mean
@@ -70,7 +72,8 @@ def _problem(args, job, cluster, params, *, mean=None, max_=None, gpus=None):
     if gpus:
         cluster = cluster.with_gpus(int(gpus))
     return PlanProblem(job=job, cluster=cluster, workload=w, params=params,
-                       constraints=PlanConstraints(placement=args.placement))
+                       constraints=PlanConstraints(placement=args.placement),
+                       candidates=CandidateSettings(offload=(False, True) if args.offload else (False,)))
 
 
 def _solve(args, problem):
@@ -106,8 +109,10 @@ def print_plan(problem, sol) -> None:
     t = Table("model-stage", "tp", "pp", "dp", "options", "pool", "GPUs", "time (s)", "mem/GPU (GiB)")
     for s in sol.plan.stages:
         cfg = s.config
+        offloaded = s.name in (dict(sol.plan.extras).get("offload") or ())
         opts = "" if s.stage == "generation" else f"mb{cfg.micro_batch}" + \
-            (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "")
+            (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "") + \
+            (" offload" if offloaded else "")
         t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
                   f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
                   f"{s.mem_gib:.1f} / {cap:.1f}")

@@ -32,7 +32,8 @@ def random_instance(seed: int) -> PlanProblem:
     gpu = replace(GPU_PRESETS["h100-80gb"], memory_gib=r.choice([6, 8, 12, 16]), reserved_gib=0.5)
     # 5 decision units on sub-node pools are slow for CBC (see README); keep those on 2 nodes
     nodes, gpn = r.choice([(2, 4), (2, 8)] if len(roles) == 4 else [(1, 4), (1, 8), (2, 4)])
-    settings = SMALL if len(roles) < 4 else replace(SMALL, micro_batches=(1,), recompute=(False,))
+    settings = replace(SMALL, offload=(False, True)) if len(roles) < 4 else \
+        replace(SMALL, micro_batches=(1,), recompute=(False,))
     return PlanProblem(job=job, cluster=ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpn),
                        workload=job.workload(), candidates=settings)
 
@@ -146,6 +147,24 @@ def test_placement_constraints():
     kept = solve(replace(p, constraints=PlanConstraints(fixed_placement=free.plan)), backend="cpsat", workers=1)
     assert [(s.first_gpu, s.gpus) for s in kept.plan.stages] == [(s.first_gpu, s.gpus) for s in free.plan.stages]
     assert kept.objective == pytest.approx(free.objective, rel=1e-6)
+
+
+def test_cpu_offload_trades_time_for_memory():
+    job = load_job("examples/ppo-8b.yaml")
+    c = load_cluster("examples/cluster-h100-1n.yaml").with_gpus(4)
+    base = PlanProblem(job=job, cluster=c, workload=job.workload(), candidates=CandidateSettings(
+        micro_batches=(1,), zeros=(1,), recompute=(True,), kv_fractions=(1.0, 0.5)))
+    without = solve(base, backend="cpsat", workers=1)
+    with_off = solve(replace(base, candidates=replace(base.candidates, offload=(False, True))), backend="cpsat",
+                     workers=1)
+    assert with_off.status == "OPTIMAL"
+    if without.status == "OPTIMAL":
+        assert with_off.objective <= without.objective * (1 + 1e-9)
+    offloaded = dict(with_off.plan.extras)["offload"]
+    ev = evaluate_plan(replace(base, candidates=replace(base.candidates, offload=(False, True))), with_off.plan)
+    assert ev.feasible and ev.step_time_s == pytest.approx(with_off.objective, rel=1e-9)
+    if without.status == "INFEASIBLE" or with_off.objective < without.objective * (1 - 1e-9):
+        assert offloaded  # the gain can only come from offloading
 
 
 def test_infeasible_names_binding_constraint():

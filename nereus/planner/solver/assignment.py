@@ -111,8 +111,9 @@ def to_plan(t: Tables, a: Assignment, cluster: ClusterSpec, *, status: str, solv
                                          gpus=o.size, time_s=st, mem_gib=peak * KIB / GiB))
     order = {ms: i for i, ms in enumerate(_stage_order(t))}
     stages.sort(key=lambda s: order[s.name])
+    offloaded = tuple(u.name for u, o in zip(t.units, a.unit_option) if o.offload)
     extras = (("weight_sync_s", sync), ("phase_makespan_s", tuple(ms)),
-              ("generation_kv_budget_gib", None if kv is None else kv / GiB))
+              ("generation_kv_budget_gib", None if kv is None else kv / GiB), ("offload", offloaded))
     return Plan(stages=tuple(stages), step_time_s=obj, status=status, solve_s=solve_s, gap=gap, backend=backend,
                 extras=extras)
 

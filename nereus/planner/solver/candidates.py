@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
-from nereus.planner.cost import estimate, weight_sync_s
+from nereus.planner.cost import estimate, offload_s, weight_sync_s
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
 
@@ -47,13 +47,16 @@ class Option:
     """Rounded up so every backend sees the same integers and stays conservative."""
     transient_kib: int
     kv_budget_bytes: float | None = None
+    offload: bool = False
+    """Optimizer state kept in host memory (trainable units only)."""
     sync: tuple[float, ...] = ()
     """Generation only: weight sync seconds for (train pool size, colocated) pairs, see Tables."""
 
     @property
     def label(self) -> str:
         c = self.config
-        extra = f" mb{c.micro_batch}" + (f" z{c.zero}" if c.zero != 1 else "") + (" rc" if c.recompute else "")
+        extra = f" mb{c.micro_batch}" + (f" z{c.zero}" if c.zero != 1 else "") + (" rc" if c.recompute else "") + \
+            (" off" if self.offload else "")
         kv = "" if self.kv_budget_bytes is None else f" kv{self.kv_budget_bytes / 1024**3:.1f}G"
         return f"{c.label()}{extra}{kv}"
 
@@ -168,17 +171,31 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
                         if key not in infer_cache:
                             infer_cache[key] = estimate(j, c, unit.stages[1], cfg, w, p)
                         ests.append(infer_cache[key])
-                    resident = ests[0].resident_bytes
-                    transient = max(e.transient_bytes for e in ests)
-                    if resident + transient > cap or not all(math.isfinite(e.time_s) for e in ests):
-                        continue
-                    durs = [0.0] * n_phases
-                    for e, ph in zip(ests, unit.phases):
-                        durs[ph] += e.time_s
-                    out.append(Option(unit=ui, size=size, config=cfg, durations=tuple(durs),
-                                      stage_times=tuple(e.time_s for e in ests), resident_kib=_kib(resident),
-                                      transient_kib=_kib(transient)))
+                    for off in (cs.offload if trainable else (False,)):
+                        opt = _option(ui, unit, size, cfg, ests, n_phases, cap, off, p)
+                        if opt is not None:
+                            out.append(opt)
     return out
+
+
+def _option(ui: int, unit: Unit, size: int, cfg: ParallelConfig, ests, n_phases: int, cap: float, offload: bool,
+            p) -> Option | None:
+    """One option from its stage estimates; offload moves the optimizer state to the host and adds
+    its transfer time to the training stage."""
+    resident = ests[0].resident_bytes
+    times = [e.time_s for e in ests]
+    if offload:
+        opt_bytes = ests[0].mem_breakdown.get("optimizer", 0.0)
+        resident -= opt_bytes
+        times[0] += offload_s(opt_bytes, p)
+    transient = max(e.transient_bytes for e in ests)
+    if resident + transient > cap or not all(math.isfinite(x) for x in times):
+        return None
+    durs = [0.0] * n_phases
+    for x, ph in zip(times, unit.phases):
+        durs[ph] += x
+    return Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=tuple(times),
+                  resident_kib=_kib(resident), transient_kib=_kib(transient), offload=offload)
 
 
 def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,

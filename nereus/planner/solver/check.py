@@ -6,10 +6,11 @@ plan still feasible for the next workload, and how fast is it).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from nereus.errors import SpecError
-from nereus.planner.cost import estimate, weight_sync_s
+from nereus.planner.cost import estimate, offload_s, weight_sync_s
 from nereus.planner.plan import HOME_STAGE, Plan
 from nereus.planner.solver.problem import PlanEvaluation, PlanProblem
 from nereus.planner.specs import GiB
@@ -45,13 +46,21 @@ def _layout_violations(problem: PlanProblem, plan: Plan) -> list[str]:
 
 
 def _estimates(problem: PlanProblem, plan: Plan) -> dict:
+    """Cost-model estimates per model-stage; a training stage listed in the plan's "offload" extra
+    keeps its optimizer state in host memory and pays the transfer (cost.offload_s)."""
     extras = dict(plan.extras)
     kv_gib = extras.get("generation_kv_budget_gib")
+    offloaded = set(extras.get("offload") or ())
     ests = {}
     for s in plan.stages:
         kv = kv_gib * GiB if (s.name == GEN and kv_gib is not None) else None
-        ests[s.name] = estimate(problem.job, problem.cluster, s.name, s.config, problem.workload, problem.params,
-                                kv_budget_bytes=kv)
+        e = estimate(problem.job, problem.cluster, s.name, s.config, problem.workload, problem.params,
+                     kv_budget_bytes=kv)
+        if s.name in offloaded:
+            opt = e.mem_breakdown.get("optimizer", 0.0)
+            e = dataclasses.replace(e, resident_bytes=e.resident_bytes - opt,
+                                    time_s=e.time_s + offload_s(opt, problem.params))
+        ests[s.name] = e
     return ests
 
 

@@ -45,6 +45,9 @@ class CandidateSettings:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     zeros: tuple[int, ...] = (1, 3)
     recompute: tuple[bool, ...] = (False, True)
+    offload: tuple[bool, ...] = (False,)
+    """Trainable models may keep their optimizer state in host memory, paying
+    ``cost.offload_s`` (out and back once per step); ``(False, True)`` lets the solver choose."""
     kv_fractions: tuple[float, ...] = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.08)
     """Generation KV budget levels as fractions of the budget on an otherwise empty GPU: the
     discretisation that keeps "KV depends on what else is resident" linear."""
