@@ -14,9 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Iterable
+from typing import Callable
 
 import pandas as pd
+
+from nereus.calibration.clock import Stopwatch, world_device_time
 
 COLLECTIVE_OPS = ("p2p", "all_reduce", "all_gather")
 
@@ -40,6 +42,9 @@ class BenchGrid:
 
     matmul_mnk: tuple[tuple[int, int, int], ...]
     matmul_dtypes: tuple[str, ...]
+    """The first dtype runs the whole shape grid; the others only ``side_mnk`` (on a CPU, bf16
+    matmul is an emulation two orders of magnitude slower: a few points suffice to show it)."""
+    side_mnk: tuple[tuple[int, int, int], ...] = ()
     copy_bytes: tuple[int, ...]
     """Copy sizes; from 32 MiB up so that source + destination spill out of the last-level cache
     and the curve measures DRAM (HBM on GPUs), which is what decode streams from."""
@@ -53,7 +58,8 @@ class BenchGrid:
         dims = (64, 128, 256, 512, 1024, 2048) if device == "cpu" else (256, 512, 1024, 2048, 4096, 8192)
         mnk = tuple((m, n, k) for m in dims for n in dims[1::2] for k in dims[1::2])
         dtypes = (compute_dtype(device), "bfloat16" if device == "cpu" else "float32")
-        return cls(matmul_mnk=mnk, matmul_dtypes=dtypes,
+        side = tuple((d, d, d) for d in dims[:4])
+        return cls(matmul_mnk=mnk, matmul_dtypes=dtypes, side_mnk=side,
                    copy_bytes=tuple(2**e for e in range(25, 30)),
                    comm_bytes=tuple(4**e for e in range(5, 13)), reps=15, budget_s=0.3)
 
@@ -62,8 +68,8 @@ class BenchGrid:
         dims = (64, 128, 256, 512, 1024) if device == "cpu" else (512, 1024, 2048, 4096, 8192)
         mnk = tuple((d, d, d) for d in dims) + tuple((4 * d, d, 2 * d) for d in dims[:-1])
         return cls(matmul_mnk=mnk, matmul_dtypes=(compute_dtype(device),),
-                   copy_bytes=tuple(2**e for e in range(25, 29)),
-                   comm_bytes=tuple(4**e for e in range(5, 12)), reps=7, budget_s=0.1)
+                   copy_bytes=tuple(2**e for e in range(25, 28)),
+                   comm_bytes=tuple(4**e for e in range(5, 11)), reps=6, budget_s=0.08)
 
 
 def _sync(device: str) -> None:
@@ -90,11 +96,11 @@ def time_call(fn: Callable[[], object], device: str, reps: int, budget_s: float,
     for _ in range(reps):
         if barrier is not None:
             barrier(0)
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) / inner)
+        with Stopwatch() as sw:
+            for _ in range(inner):
+                fn()
+            _sync(device)
+        samples.append(sw.device / inner)
     return min(samples), median(samples)
 
 
@@ -126,9 +132,9 @@ def bench_matmul(grid: BenchGrid, device: str, progress: Callable[[int], None] |
     rows = []
     passes = _passes(grid)
     for pas in range(passes):
-        for dtype in grid.matmul_dtypes:
+        for i, dtype in enumerate(grid.matmul_dtypes):
             dt = getattr(torch, dtype)
-            for m, n, k in grid.matmul_mnk:
+            for m, n, k in grid.matmul_mnk if i == 0 else grid.side_mnk:
                 a = torch.randn(m, k, device=device, dtype=dt)
                 b = torch.randn(k, n, device=device, dtype=dt)
                 t_min, t_med = time_call(lambda: a @ b, device, max(1, grid.reps // passes), grid.budget_s / passes,
@@ -136,7 +142,7 @@ def bench_matmul(grid: BenchGrid, device: str, progress: Callable[[int], None] |
                 flops = 2.0 * m * n * k
                 rows.append({"kind": "matmul", "dtype": dtype, "m": m, "n": n, "k": k, "flops": flops,
                              "seconds": t_min, "seconds_median": t_med})
-                if progress and pas == passes - 1:
+                if progress:
                     progress(1)
     df = pd.DataFrame(_merge(rows, ("dtype", "m", "n", "k")))
     df["tflops"] = df["flops"] / df["seconds"] / 1e12
@@ -159,7 +165,7 @@ def bench_copy(grid: BenchGrid, device: str, progress: Callable[[int], None] | N
             rows.append({"kind": "copy", "bytes": float(nbytes), "moved_bytes": 2.0 * nbytes, "seconds": t_min,
                          "seconds_median": t_med})
             del src, dst
-            if progress and pas == passes - 1:
+            if progress:
                 progress(1)
     df = pd.DataFrame(_merge(rows, ("bytes",)))
     df["gbps"] = df["moved_bytes"] / df["seconds"] / 1e9
@@ -200,10 +206,10 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], reps: int, b
                     dist.broadcast(one, 0)
                     inner = max(1, int(budget_s / reps / max(float(one), 1e-6)))
                     continue
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    ops[op]()
-                samples.append((time.perf_counter() - t0) / inner)
+                with Stopwatch() as sw:
+                    for _ in range(inner):
+                        ops[op]()
+                samples.append(world_device_time(sw) / inner)
             t_min, t_med = min(samples), median(samples)
             if op == "p2p":
                 t_min, t_med = t_min / 2, t_med / 2
@@ -214,7 +220,8 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], reps: int, b
 
 def count_steps(grid: BenchGrid, world: int) -> int:
     """Progress-bar units of :func:`run_all`."""
-    return len(grid.matmul_mnk) * len(grid.matmul_dtypes) + len(grid.copy_bytes) + (1 if world > 1 else 0)
+    mm = len(grid.matmul_mnk) + len(grid.side_mnk) * (len(grid.matmul_dtypes) - 1)
+    return _passes(grid) * (mm + len(grid.copy_bytes)) + (1 if world > 1 else 0)
 
 
 def _max_barrier(value: int) -> int:

@@ -53,14 +53,16 @@ def fit_curves(fit_tables: dict[str, pd.DataFrame], device: str) -> dict[str, An
 
 def build_hardware(device: str, curves: dict[str, Any], world: int) -> Hardware:
     """Nominal figures where a datasheet exists, fitted asymptotes otherwise (see profile.py)."""
-    import torch
-
     dtype = compute_dtype(device)
     mm: SaturatingFit = curves["matmul"][dtype]
     copy: SaturatingFit = curves["copy"]
-    ar: AlphaBetaFit | None = curves["comm"].get("all_reduce")
-    link_gbps = ar.bandwidth / 1e9 if ar else 10.0
+    comm: dict[str, AlphaBetaFit] = curves["comm"]
+    # the link's nominal rate is the fastest collective's fitted bandwidth (p2p: the wire itself);
+    # the joint fit then finds the one efficiency the cost model applies to every collective
+    link_gbps = max((f.bandwidth for f in comm.values()), default=10e9) / 1e9
     if device == "cuda":
+        import torch
+
         name = torch.cuda.get_device_name(0)
         preset = next((k for k in GPU_PRESETS if k.split("-")[0] in name.lower()), None)
         if preset:
@@ -71,7 +73,7 @@ def build_hardware(device: str, curves: dict[str, Any], world: int) -> Hardware:
                         tflops_bf16=mm.peak / 1e12, hbm_tbps=copy.peak / 1e12, intra_node_gbps=link_gbps,
                         inter_node_gbps=link_gbps, gpus_per_node=8, description=name,
                         sources=(("tflops_bf16", "fitted matmul asymptote"), ("hbm_tbps", "fitted copy asymptote"),
-                                 ("intra_node_gbps", "fitted gloo all-reduce bandwidth")))
+                                 ("intra_node_gbps", "fastest fitted gloo collective bandwidth")))
     nominal = cpu_nominal_tflops(1)
     peak = nominal if nominal > 0 else mm.peak / 1e12
     mem_gib = _host_memory_gib() / max(world, 1)
@@ -83,7 +85,7 @@ def build_hardware(device: str, curves: dict[str, Any], world: int) -> Hardware:
         sources=(("tflops_bf16", "nominal: clock x FP32 FLOPs/cycle from /proc/cpuinfo, 1 core" if nominal > 0
                   else "fitted matmul asymptote"),
                  ("hbm_tbps", "fitted asymptote of large-copy bandwidth (DRAM)"),
-                 ("intra_node_gbps", "fitted gloo loopback all-reduce bandwidth"),
+                 ("intra_node_gbps", "fastest fitted gloo loopback collective bandwidth (p2p)"),
                  ("inter_node_gbps", "same as intra (one host)"),
                  ("memory_gib", "host RAM / world")))
 

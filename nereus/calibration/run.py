@@ -16,11 +16,14 @@ from nereus.calibration import microbench, pipeline, stages
 from nereus.calibration.profile import Profile, utc_now
 
 
-def choose_backend(requested: str = "auto") -> str:
-    """``executor`` when the executor's parallel reference transformer can be driven, else
-    ``plain`` (the single-device plain-torch stand-in)."""
+def choose_backend(requested: str = "auto", device: str = "cpu") -> str:
+    """``executor`` when the executor's parallel reference transformer can be driven (on CPU:
+    its ranks are processes on gloo), else ``plain`` (the single-device plain-torch stand-in,
+    which is also what runs on a single GPU)."""
     if requested != "auto":
         return requested
+    if device != "cpu":
+        return "plain"
     try:
         from nereus.calibration import executor_backend
 
@@ -31,22 +34,28 @@ def choose_backend(requested: str = "auto") -> str:
 
 def plan_work(quick: bool, world: int, device: str, backend: str) -> tuple[microbench.BenchGrid, tuple]:
     grid = microbench.BenchGrid.quick(device) if quick else microbench.BenchGrid.full(device)
-    if backend == "executor":
+    if device == "cuda":
+        layouts = ((1, 1, 1),)  # one GPU: replicas or TP ranks would share it
+    elif backend == "executor":
         from nereus.calibration.executor_backend import LAYOUTS
 
         layouts = LAYOUTS
-    elif device == "cuda":
-        layouts = ((1, 1, 1),)  # one GPU: DP replicas would share it
     else:
         layouts = ((1, 1, 1), (1, 1, 2))
     configs = stages.stage_grid(quick, world, layouts)
+    if backend == "executor":
+        from nereus.calibration.executor_backend import adapt
+
+        configs = adapt(configs)
     return grid, configs
 
 
-def timing_world(configs: tuple, world: int, device: str) -> int:
-    if device == "cuda":
+def timing_world(configs: tuple, world: int, device: str, backend: str) -> int:
+    """Processes of the stage-timing world: the executor backend always needs a process group
+    (its Engine is collective), the plain one runs in-process on a single GPU."""
+    if device == "cuda" and backend == "plain":
         return 1
-    return max([c.world for c in configs] + [1]) if world < 1 else world
+    return max(world, 1) if device == "cpu" else 1 if backend == "plain" else max(world, 1)
 
 
 def calibrate_local(quick: bool = False, world: int = 2, device: str | None = None, backend: str = "auto",
@@ -54,17 +63,19 @@ def calibrate_local(quick: bool = False, world: int = 2, device: str | None = No
                     on_total: Callable[[int], None] | None = None) -> tuple[Profile, dict[str, Any]]:
     """Measure, fit, evaluate. ``on_total(n)`` is told the progress-bar length first."""
     t0 = time.perf_counter()
+    load0 = _loadavg()
     device = device or microbench.pick_device()
-    backend = choose_backend(backend)
+    backend = choose_backend(backend, device)
     grid, configs = plan_work(quick, world, device, backend)
-    tw = timing_world(configs, world, device)
+    tw = timing_world(configs, world, device, backend)
     configs = tuple(c for c in configs if tw % c.world == 0)
+    reps = 1 if quick else 3
     if on_total:
-        on_total(microbench.count_steps(grid, world) + len(configs))
+        on_total(microbench.count_steps(grid, world) + len(configs) * (reps + 1))
     tables = microbench.run_all(grid, device, world, progress)
     micro = pipeline.calibrate_microbench(tables, device, world)
-    sdf = stages.measure(configs, tw, reps=1 if quick else 2, backend=backend, device=device, progress=progress)
-    sdf["heldout"] = stages.heldout_configs(configs)
+    sdf = stages.measure(configs, tw, reps=reps, backend=backend, device=device, progress=progress)
+    sdf["heldout"] = stages.heldout_configs(configs, every=3 if quick else 2)
     st = stages.calibrate_stages(sdf, micro["params"], micro["hardware"])
     wall = time.perf_counter() - t0
     fit = {
@@ -83,7 +94,7 @@ def calibrate_local(quick: bool = False, world: int = 2, device: str | None = No
     }
     prof = Profile(name=f"{micro['hardware'].name}-local" if device == "cpu" else micro["hardware"].name,
                    hardware=micro["hardware"], params=st["params"], fit=fit, how=how, when=utc_now(),
-                   where=host_info(device, world))
+                   where={**host_info(device, world), "loadavg_1min_start_end": [load0, _loadavg()]})
     return prof, {"tables": tables, "stages": sdf, "micro": micro, "stage_fit": st}
 
 
@@ -102,7 +113,10 @@ def report_markdown(prof: Profile) -> str:
     """The error tables and fitted parameters as Markdown (``--report``)."""
     f = prof.fit
     lines = [f"# Calibration profile `{prof.name}`", "", f"- measured: {prof.when}", f"- how: `{prof.how}`",
-             f"- hardware: {prof.hardware.description}", ""]
+             f"- hardware: {prof.hardware.description}",
+             f"- stage-timing backend: {f.get('stages', {}).get('backend', '-')}",
+             f"- host load average (1 min) at start and end: {prof.where.get('loadavg_1min_start_end', '-')}",
+             f"- wall time: {f.get('wall_s', 0):.0f} s", ""]
     hm, hb = f.get("heldout_mape", {}), f.get("heldout_mape_before", {})
     lines += ["## Held-out MAPE", "", "| part | before (analytic defaults) | after (calibrated) |", "|---|---|---|"]
     for part in ("microbench", "stages"):
@@ -124,6 +138,16 @@ def report_markdown(prof: Profile) -> str:
     for k, v in prof.params.to_dict().items():
         lines.append(f"| {k} | {v} |")
     return "\n".join(lines) + "\n"
+
+
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average: on a shared host it says how much the timings suffered."""
+    try:
+        import os
+
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _pct(x: float | None) -> str:

@@ -15,7 +15,6 @@ config on a cluster built from the profile's hardware entry.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -67,17 +66,14 @@ def stage_grid(quick: bool, max_world: int = 2, parallel: tuple[tuple[int, int, 
                ) -> tuple[StageConfig, ...]:
     """The measured configurations; ``parallel`` lists the (tp, pp, dp) layouts the backend can run."""
     layouts = [lay for lay in parallel if lay[0] * lay[1] * lay[2] <= max_world]
-    if quick:
-        shapes = {"generation": ((4, 4, 16, 16), (8, 8, 16, 32), (8, 8, 32, 16), (16, 16, 16, 16)),
-                  "inference": ((4, 4, 32, 32), (8, 4, 32, 64), (8, 8, 64, 64), (16, 8, 32, 32)),
-                  "training": ((4, 2, 32, 32), (8, 4, 32, 32), (8, 4, 64, 64), (16, 8, 32, 32))}
-    else:
-        shapes = {"generation": ((4, 4, 16, 16), (4, 4, 16, 48), (8, 8, 16, 32), (8, 8, 32, 16), (16, 16, 16, 16),
-                                 (16, 16, 32, 32), (8, 8, 64, 32), (32, 32, 16, 16)),
-                  "inference": ((4, 4, 32, 32), (8, 4, 32, 64), (8, 8, 64, 64), (16, 8, 32, 32), (16, 16, 64, 64),
-                                (4, 2, 128, 128), (32, 8, 32, 32), (8, 8, 128, 128)),
-                  "training": ((4, 2, 32, 32), (8, 4, 32, 32), (8, 4, 64, 64), (16, 8, 32, 32), (16, 4, 64, 64),
-                               (4, 4, 128, 128), (32, 8, 32, 32), (8, 8, 64, 128))}
+    if quick:  # three shapes per stage and layout: the middle one is held out
+        shapes = {"generation": ((4, 4, 16, 8), (8, 8, 16, 12), (16, 16, 16, 16)),
+                  "inference": ((4, 4, 16, 16), (8, 8, 32, 32), (16, 16, 32, 32)),
+                  "training": ((4, 2, 16, 16), (8, 4, 16, 32), (8, 4, 32, 32))}
+    else:  # five shapes (batch, micro-batch, prompt, response): ranks 1 and 4 of 5 are held out
+        shapes = {"generation": ((4, 4, 16, 8), (4, 4, 16, 24), (8, 8, 16, 16), (16, 16, 16, 24), (16, 16, 32, 32)),
+                  "inference": ((4, 4, 16, 16), (8, 8, 32, 32), (8, 4, 32, 64), (16, 8, 64, 64), (16, 16, 64, 128)),
+                  "training": ((4, 2, 16, 16), (8, 4, 16, 32), (8, 4, 32, 32), (8, 8, 32, 64), (16, 8, 32, 64))}
     out = []
     for stage in STAGES:
         for tp, pp, dp in layouts:
@@ -127,12 +123,13 @@ def _time_plain(rank: int, world: int, configs: tuple[StageConfig, ...], reps: i
     import torch
     import torch.distributed as dist
 
+    from nereus.calibration.clock import Stopwatch, world_device_time
     from nereus.calibration.reference import PlainLM
     from nereus.calibration.spawn import tick
 
     dist_on = dist.is_available() and dist.is_initialized()
     groups = _replica_groups(world, {c.dp for c in configs}) if dist_on else {}
-    net = PlainLM(TIMED_MODEL, seed=seed).to(device)
+    net = PlainLM(TIMED_MODEL, seed=seed).to(device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(seed + rank)
     toks = {c: torch.randint(0, TIMED_MODEL.vocab, (c.batch // c.dp, c.prompt_len + c.response_len),
@@ -164,15 +161,12 @@ def _time_plain(rank: int, world: int, configs: tuple[StageConfig, ...], reps: i
         for c in configs:
             if dist_on:
                 dist.barrier()
-            t0 = time.perf_counter()
-            run(c)
-            dt = torch.tensor([time.perf_counter() - t0])
-            if dist_on:  # a step ends when its slowest rank ends
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            with Stopwatch() as sw:
+                run(c)
+            dt = world_device_time(sw)  # slowest rank, less time lost to other processes
             if pas:  # pass 0 warms caches and the allocator
-                best[c] = min(best[c], float(dt))
-            if pas == reps:
-                tick(1)
+                best[c] = min(best[c], dt)
+            tick(1)
     return [best[c] for c in configs]
 
 
@@ -188,7 +182,7 @@ def measure(configs: tuple[StageConfig, ...], world: int, reps: int = 2, seed: i
         from nereus.calibration.executor_backend import time_configs as timer
     else:
         timer = _time_plain
-    if world == 1:
+    if world == 1 and backend == "plain":
         import torch
 
         threads = torch.get_num_threads()

@@ -80,3 +80,30 @@ def test_heldout_mask_interpolates_and_mape_is_a_fraction():
     held = sorted(np.asarray(sizes)[m])
     assert 1 not in held and 64 not in held and held == [2, 16]
     assert mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(0.1)
+
+
+def test_microbench_pipeline_recovers_cost_params_from_synthetic_tables():
+    """Tables generated from known curves -> fitted CostParams predict held-out rows exactly."""
+    from nereus.calibration.fit import ring_coeffs
+    from nereus.calibration.pipeline import calibrate_microbench
+
+    peak, half, bw_copy = 6.0e10, 2.5e5, 2.4e10
+    alpha_ar, alpha_p2p, bw_link = 2.0e-4, 6.0e-5, 1.5e9
+    dims = (64, 128, 256, 512, 1024)
+    mm = pd.DataFrame([{"kind": "matmul", "dtype": "float32", "m": m, "n": n, "k": n, "flops": 2.0 * m * n * n,
+                        "seconds": (2.0 * m * n * n + half) / peak} for m in dims for n in dims[1::2]])
+    sizes = [2.0**e for e in range(25, 30)]
+    cp = pd.DataFrame([{"kind": "copy", "bytes": s, "moved_bytes": 2 * s, "seconds": 2 * s / bw_copy} for s in sizes])
+    rows = []
+    for op in ("p2p", "all_reduce", "all_gather"):
+        for s in (4.0**e for e in range(5, 12)):
+            ca, cb = ring_coeffs(op, 2)
+            a = alpha_p2p if op == "p2p" else alpha_ar
+            rows.append({"kind": op, "world": 2, "bytes": s, "seconds": ca * a + cb * s / bw_link})
+    res = calibrate_microbench({"matmul": mm, "copy": cp, "comm": pd.DataFrame(rows)}, "cpu", 2)
+    p, hw = res["params"], res["hardware"]
+    assert close(p.matmul_half_flops, half)
+    assert close(hw.hbm_tbps * 1e12 * p.hbm_eff, bw_copy)
+    assert close(hw.intra_node_gbps * 1e9 * p.intra_link_eff, bw_link)
+    assert close(p.allreduce_latency_s, alpha_ar) and close(p.p2p_latency_s, alpha_p2p)
+    assert res["summary"]["mape_after"] < 0.02 and res["summary"]["points"] >= 10
