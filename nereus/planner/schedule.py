@@ -50,10 +50,10 @@ class ScheduleProblem:
                     resident_bytes: float | Mapping[int, float] | None, *, hbm_bps: float, host_bps: float,
                     chunk_parts: int = 8) -> "ScheduleProblem":
         """Bucket the moves by (src, dst), split long buckets into chunks, derive memory groups."""
-        node = cluster.node_of
+        gpn = cluster.gpus_per_node
 
         def bw(s: int, d: int) -> float:
-            return hbm_bps / 2 if s == d else (bw_intra if node(s) == node(d) else bw_inter)
+            return hbm_bps / 2 if s == d else (bw_intra if s // gpn == d // gpn else bw_inter)
 
         _split_long_moves(pieces, bw, chunk_parts)
         buckets: dict[tuple[int, int], list[int]] = {}
@@ -63,13 +63,20 @@ class ScheduleProblem:
         n = len(chunks)
         p = cls(src=[c[0] for c in chunks], dst=[c[1] for c in chunks], nbytes=[0] * n, dur=[0.0] * n,
                 moves=[c[2] for c in chunks], free_groups=[], base_mem={}, capacity=capacity, host_bps=host_bps)
-        readers: dict[tuple, set[int]] = {}
+        readers: dict[tuple[int, int], set[int]] = {}  # (template, GPU) names one source box
+        moves = pieces.moves
         for t in range(n):
+            total = 0
             for i in p.moves[t]:
-                m = pieces.moves[i]
-                p.nbytes[t] += m[6]
-                readers.setdefault((m[0], m[3], m[5]), set()).add(t)
-            p.dur[t] = p.nbytes[t] / bw(p.src[t], p.dst[t])
+                m = moves[i]
+                total += m[6]
+                r = readers.get((m[0], m[5]))
+                if r is None:
+                    readers[(m[0], m[5])] = {t}
+                else:
+                    r.add(t)
+            p.nbytes[t] = total
+            p.dur[t] = total / bw(p.src[t], p.dst[t])
         _memory_groups(p, pieces, readers, resident_bytes)
         p.lower_bound_s = lower_bound(p)
         return p
@@ -81,19 +88,25 @@ def _split_long_moves(pieces, bw, parts: int) -> None:
     schedule keep every link busy (a 2 GiB embedding shard would otherwise block a sender)."""
     if parts <= 1 or not pieces.moves:
         return
-    load: dict[tuple[str, int], float] = {}
-    for m in pieces.moves:
-        s, d = m[5], m[1]
-        for r in ((("copy", s),) if s == d else (("send", s), ("recv", d))):
-            load[r] = load.get(r, 0.0) + m[6] / bw(s, d)
-    target = max(load.values()) / (2 * parts)
+    G = 1 + max(max(m[5], m[1]) for m in pieces.moves)
+    send, recv, copy = [0.0] * G, [0.0] * G, [0.0] * G
+    secs = [m[6] / bw(m[5], m[1]) for m in pieces.moves]
+    for m, sec in zip(pieces.moves, secs):
+        if m[5] == m[1]:
+            copy[m[5]] += sec
+        else:
+            send[m[5]] += sec
+            recv[m[1]] += sec
+    target = max(max(send), max(recv), max(copy)) / (2 * parts)
+    if target <= 0 or max(secs) <= target:
+        return
     out = []
-    for m in pieces.moves:
-        (off, ln), sec = m[2], m[6] / bw(m[5], m[1])
-        k = min(ln[0], int(sec // target) + 1) if target > 0 else 1
-        if k <= 1:
+    for m, sec in zip(pieces.moves, secs):
+        if sec <= target or m[2][1][0] <= 1:
             out.append(m)
             continue
+        off, ln = m[2]
+        k = min(ln[0], int(sec // target) + 1)
         for j in range(k):
             lo, hi = j * ln[0] // k, (j + 1) * ln[0] // k
             sub = ((off[0] + lo,) + off[1:], (hi - lo,) + ln[1:])
@@ -106,15 +119,17 @@ def _chunked(pieces, buckets: dict, bw, parts: int) -> list[tuple[int, int, list
     split into chunks of whole moves (largest first onto the lightest chunk), so that the
     non-preemptive schedule can interleave it like a preemptive one would."""
     load: dict[tuple[str, int], float] = {}
+    secs: dict[tuple[int, int], float] = {}
+    moves = pieces.moves
     for (s, d), ms in buckets.items():
-        sec = sum(pieces.moves[i][6] for i in ms) / bw(s, d)
+        sec = secs[(s, d)] = sum([moves[i][6] for i in ms]) / bw(s, d)
         for r in ((("copy", s),) if s == d else (("send", s), ("recv", d))):
             load[r] = load.get(r, 0.0) + sec
     target = max(load.values(), default=0.0) / max(parts, 1)
     out = []
     for (s, d) in sorted(buckets):
         ms = buckets[(s, d)]
-        sec = sum(pieces.moves[i][6] for i in ms) / bw(s, d)
+        sec = secs[(s, d)]
         k = min(len(ms), int(sec // target) + 1) if target > 0 and parts > 1 else 1
         if k <= 1:
             out.append((s, d, ms))
@@ -134,7 +149,7 @@ def _memory_groups(p: ScheduleProblem, pieces, readers: dict, resident_bytes) ->
         p.base_mem[g] = p.base_mem.get(g, 0.0) + b
         if kept:
             continue
-        r = readers.get((ti, box, g))
+        r = readers.get((ti, g))  # a GPU holds one box per template
         if r is None:
             p.base_mem[g] -= b  # nobody reads it and B does not keep it: freed before anything starts
         else:

@@ -312,7 +312,7 @@ def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: P
     best = None
     original = list(pieces.moves)
     # chunking granularities: finer chunks interleave better but cost time; small problems try two
-    for parts in ((8, 24) if len(pieces.moves) <= 20_000 else (8,)):
+    for parts in ((8, 24) if len(pieces.moves) <= 5_000 else (8,)):
         pieces.moves[:] = original  # from_pieces splits long moves in place
         problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
                                               hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
