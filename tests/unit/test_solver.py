@@ -71,11 +71,35 @@ def test_backends_agree_with_brute_force(seed):
         assert_valid(problem, s)
 
 
+def test_non_power_of_two_node_plan_is_valid():
+    """Regression: children of a pool must fit in it whatever the slot numbering (8B PPO, 6 GPUs)."""
+    p = _ppo8b(6, 2048, 8192)
+    sol = solve(p, backend="cpsat", workers=1, time_limit_s=30)
+    assert sol.status == "OPTIMAL"
+    assert all(s.first_gpu + s.gpus <= 6 for s in sol.plan.stages)
+    assert_valid(p, sol)
+
+
+@pytest.mark.parametrize("seed", (1, 6))
+def test_non_power_of_two_node_agrees_with_brute_force(seed):
+    """Six GPUs: pool sizes 1, 2, 4 and 6, so parents and children are not buddy halves."""
+    p = random_instance(seed)
+    p = replace(p, cluster=replace(p.cluster, nodes=1, gpus_per_node=6))
+    cp, br = solve(p, backend="cpsat", workers=1), solve(p, backend="brute")
+    assert cp.status == br.status
+    if br.plan is not None:
+        assert cp.objective == pytest.approx(br.objective, rel=1e-6)
+        assert_valid(p, cp)
+
+
 def test_checker_catches_bad_plans():
     problem = random_instance(3)
     sol = solve(problem, backend="cpsat", workers=1)
     plan = sol.plan
-    # TP across nodes on a 2-node cluster and memory over capacity are both caught
+    beyond = replace(plan, stages=tuple(replace(s, first_gpu=s.first_gpu + problem.cluster.num_gpus)
+                                        for s in plan.stages))
+    assert any("beyond the cluster" in v for v in evaluate_plan(problem, beyond).violations)
+    # memory over capacity is caught
     tiny = replace(problem, cluster=replace(problem.cluster, gpu=replace(problem.cluster.gpu, memory_gib=1.0,
                                                                         reserved_gib=0.5)))
     ev = evaluate_plan(tiny, plan)

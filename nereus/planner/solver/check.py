@@ -64,6 +64,11 @@ def _estimates(problem: PlanProblem, plan: Plan) -> dict:
     return ests
 
 
+def _on_cluster(s, n: int) -> range:
+    """The stage's GPUs that exist (GPUs past the cluster are reported as a violation)."""
+    return range(s.first_gpu, min(s.first_gpu + s.gpus, n))
+
+
 def evaluate_plan(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
     """Step time, memory per GPU and violations of ``plan`` for ``problem``'s workload."""
     c = problem.cluster
@@ -78,11 +83,11 @@ def evaluate_plan(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
     resident = [0.0] * n
     for role in problem.job.roles:
         home = plan.stage(HOME_STAGE[role])
-        for g in home.gpu_ids():
+        for g in _on_cluster(home, n):
             resident[g] += ests[home.name].resident_bytes
     transient = [0.0] * n
     for s in plan.stages:
-        for g in s.gpu_ids():
+        for g in _on_cluster(s, n):
             transient[g] = max(transient[g], ests[s.name].transient_bytes)
     per_gpu = [r + t for r, t in zip(resident, transient)]
     cap = c.gpu.usable_bytes
@@ -99,14 +104,14 @@ def evaluate_plan(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
         load = [0.0] * n
         for ms in phase:
             s = plan.stage(ms)
-            for g in s.gpu_ids():
+            for g in _on_cluster(s, n):
                 load[g] += ests[ms].time_s
         makespans.append(max(load))
     train, gen = plan.stage("actor/training"), plan.stage(GEN)
     colocated = bool(set(train.gpu_ids()) & set(gen.gpu_ids()))
     sync = weight_sync_s(problem.job.model("actor"), train.config, gen.config, c, colocated, problem.params)
-    stage_mem = tuple((s.name, max(resident[g] + ests[s.name].transient_bytes for g in s.gpu_ids()) / GiB)
-                      for s in plan.stages)
+    stage_mem = tuple((s.name, max((resident[g] + ests[s.name].transient_bytes for g in _on_cluster(s, n)),
+                                   default=math.inf) / GiB) for s in plan.stages)
     return PlanEvaluation(step_time_s=sum(makespans) + sync, feasible=not violations, violations=tuple(violations),
                           stage_time_s=tuple((s.name, ests[s.name].time_s) for s in plan.stages),
                           stage_mem_gib=stage_mem, phase_makespan_s=tuple(makespans), weight_sync_s=sync,

@@ -103,7 +103,7 @@ class Formulation:
         self.gsz = {k: [(self.sz[k, i], s) for i, s in enumerate(sizes)] for k in self.K}
         load = {j: [] for j in [*self.K, -1]}
         for k in self.K:
-            for j in [*range(k), -1]:
+            for j in [*(j for j in self.K if j != k), -1]:
                 lit = self.par[k, j] if j >= 0 else self.root[k]
                 v = m.new(f"load[slot{k},in{'root' if j < 0 else f'slot{j}'}]", 0, N, "count")
                 m.add([(v, 1)] + [(x, -c) for x, c in self.gsz[k]], ">=", 0, enforce=(lit,))
