@@ -311,8 +311,11 @@ def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: P
     cap = float(capacity_bytes if capacity_bytes is not None else cluster.gpu.usable_bytes)
     best = None
     original = list(pieces.moves)
-    # chunking granularities: finer chunks interleave better but cost time; small problems try two
-    for parts in ((8, 24) if len(pieces.moves) <= 5_000 else (8,)):
+    # chunking granularities: finer chunks interleave better but cost time; a second, finer try
+    # only when the first schedule is more than 5% above the bound and the problem is not huge
+    for parts in (8, 24):
+        if best is not None and (best[1].makespan_s <= 1.05 * best[0].lower_bound_s or len(original) > 60_000):
+            break
         pieces.moves[:] = original  # from_pieces splits long moves in place
         problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
                                               hbm_bps=cluster.gpu.hbm_bytes_per_s * CostParams().hbm_eff,
