@@ -118,7 +118,7 @@ class Formulation:
         self.z = {}
         for u in self.U:
             for oi, o in enumerate(t.options[u]):
-                self.z[u, oi] = m.bool(f"x[{self.uname(u)},{o.size}gpu,{o.label}]")
+                self.z[u, oi] = m.bool(f"x[{self.uname(u)},{o.size}gpu,{o.label},#{oi}]")
             m.add([(self.z[u, oi], 1) for oi in range(len(t.options[u]))], "==", 1)
             m.at_most_one([self.z[u, oi] for oi in range(len(t.options[u]))])
             for i, s in enumerate(t.sizes):

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from nereus.errors import SpecError
 from nereus.planner.plan import Plan
-from nereus.planner.solver.assignment import Assignment, objective, to_plan
+from nereus.planner.solver.assignment import check_structure, objective, to_plan
 from nereus.planner.solver.candidates import Tables, build_tables, prune_by_bound
 from nereus.planner.solver.check import evaluate_plan
 from nereus.planner.solver.greedy import greedy
@@ -72,6 +72,7 @@ def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, wo
         return _infeasible(problem, backend, t0, why) if status == "INFEASIBLE" else PlanSolution(
             status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
             wall_s=time.perf_counter() - t0, backend=backend, message=why)
+    check_structure(a, problem.cluster.num_gpus)  # a backend bug must not become a plan
     obj = objective(t, a)[0]
     if status == "OPTIMAL":
         bound, gap = min(bound, obj) if math.isfinite(bound) else obj, 0.0
