@@ -39,70 +39,76 @@ def count(problem: PlanProblem, t: Tables) -> int:
 
 
 def brute(problem: PlanProblem, t: Tables, limit: int = DEFAULT_LIMIT) -> tuple[float, Assignment] | None:
+    """(optimal objective, assignment), or None when nothing fits. SpecError above ``limit``."""
     n_comb = count(problem, t)
     if n_comb > limit:
         raise SpecError(f"brute force: {n_comb:,} (block, option) combinations > limit {limit:,}; "
                         f"use --backend cpsat or a smaller instance")
-    seg = min(t.sizes)
-    nseg = t.num_gpus // seg
-    ub = _unit_blocks(problem, t)
     disagg = problem.constraints.placement == "disaggregated" and problem.constraints.fixed_placement is None
-    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
-    order = sorted(range(len(t.units)), key=lambda u: (u not in (g, tr), u))
-    n = len(order)
-    res = [0] * nseg
-    tra = [0] * nseg
-    load = [[0.0] * nseg for _ in range(t.n_phases)]
-    owner = [0] * nseg  # disaggregated: how many units sit on each segment
-    chosen: dict[int, tuple] = {}
-    best = [math.inf, None]
+    search = _Search(t, _unit_blocks(problem, t), disagg)
+    search.rec(0)
+    if search.best is None:
+        return None
+    return search.best_obj, _to_assignment(t, search.best)
 
-    def partial_obj() -> float:
-        obj = sum(max(row) for row in load)
-        if g in chosen and tr in chosen:
-            (bg, og), (bt, ot) = chosen[g], chosen[tr]
+
+class _Search:
+    """Depth-first search over units (generation and actor training first, so the weight sync
+    enters the bound early), with per-segment resident / transient / phase-load arrays."""
+
+    def __init__(self, t: Tables, unit_blocks, disaggregated: bool) -> None:
+        self.t, self.unit_blocks, self.disagg = t, unit_blocks, disaggregated
+        self.seg = min(t.sizes)
+        nseg = t.num_gpus // self.seg
+        self.g, self.tr = t.unit_index(GEN), t.unit_index(ACTOR)
+        self.order = sorted(range(len(t.units)), key=lambda u: (u not in (self.g, self.tr), u))
+        self.res, self.tra, self.owner = [0] * nseg, [0] * nseg, [0] * nseg
+        self.load = [[0.0] * nseg for _ in range(t.n_phases)]
+        self.chosen: dict[int, tuple] = {}
+        self.best_obj, self.best = math.inf, None
+
+    def partial_obj(self) -> float:
+        obj = sum(max(row) for row in self.load)
+        if self.g in self.chosen and self.tr in self.chosen:
+            (bg, og), (bt, ot) = self.chosen[self.g], self.chosen[self.tr]
             col = bg[0] < bt[0] + bt[1] and bt[0] < bg[0] + bg[1]
-            obj += t.sync_s(og, ot.size, col)
+            obj += self.t.sync_s(og, ot.size, col)
         return obj
 
-    def rec(i: int) -> None:
-        if i == n:
-            obj = partial_obj()
-            if obj < best[0] - 1e-12:
-                best[0], best[1] = obj, dict(chosen)
+    def rec(self, i: int) -> None:
+        if i == len(self.order):
+            obj = self.partial_obj()
+            if obj < self.best_obj - 1e-12:
+                self.best_obj, self.best = obj, dict(self.chosen)
             return
-        u = order[i]
-        for blk in ub[u]:
-            first, size = blk
-            segs = range(first // seg, (first + size) // seg)
-            if disagg and any(owner[s] for s in segs):
+        u = self.order[i]
+        for blk in self.unit_blocks[u]:
+            segs = range(blk[0] // self.seg, (blk[0] + blk[1]) // self.seg)
+            if self.disagg and any(self.owner[s] for s in segs):
                 continue
-            for o in t.options[u]:
-                if o.size != size:
-                    continue
-                saved = [(s, res[s], tra[s], [load[ph][s] for ph in range(t.n_phases)]) for s in segs]
-                ok = True
-                for s in segs:
-                    res[s] += o.resident_kib
-                    tra[s] = max(tra[s], o.transient_kib)
-                    ok &= res[s] + tra[s] <= t.capacity_kib
-                    owner[s] += 1
-                    for ph in range(t.n_phases):
-                        load[ph][s] += o.durations[ph]
-                chosen[u] = (blk, o)
-                if ok and partial_obj() < best[0] - 1e-12:
-                    rec(i + 1)
-                del chosen[u]
-                for s, r0, t0, l0 in saved:
-                    res[s], tra[s] = r0, t0
-                    owner[s] -= 1
-                    for ph in range(t.n_phases):
-                        load[ph][s] = l0[ph]
+            for o in self.t.options[u]:
+                if o.size == blk[1]:
+                    self.try_option(i, u, blk, segs, o)
 
-    rec(0)
-    if best[1] is None:
-        return None
-    return best[0], _to_assignment(t, best[1])
+    def try_option(self, i: int, u: int, blk, segs, o) -> None:
+        t, saved, ok = self.t, [], True
+        for s in segs:
+            saved.append((s, self.res[s], self.tra[s], [row[s] for row in self.load]))
+            self.res[s] += o.resident_kib
+            self.tra[s] = max(self.tra[s], o.transient_kib)
+            ok &= self.res[s] + self.tra[s] <= t.capacity_kib  # memory only grows with more units
+            self.owner[s] += 1
+            for ph in range(t.n_phases):
+                self.load[ph][s] += o.durations[ph]
+        self.chosen[u] = (blk, o)
+        if ok and self.partial_obj() < self.best_obj - 1e-12:  # the objective only grows too
+            self.rec(i + 1)
+        del self.chosen[u]
+        for s, r0, t0, l0 in saved:
+            self.res[s], self.tra[s] = r0, t0
+            self.owner[s] -= 1
+            for ph in range(t.n_phases):
+                self.load[ph][s] = l0[ph]
 
 
 def _to_assignment(t: Tables, chosen: dict) -> Assignment:
