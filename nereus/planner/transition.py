@@ -314,7 +314,7 @@ def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: P
     # chunking granularities: finer chunks interleave better but cost time; a second, finer try
     # only when the first schedule is more than 5% above the bound and the problem is not huge
     for parts in (8, 24):
-        if best is not None and (best[1].makespan_s <= 1.05 * best[0].lower_bound_s or len(original) > 60_000):
+        if best is not None and (best[1].makespan_s <= 1.05 * best[0].lower_bound_s or len(original) > 20_000):
             break
         pieces.moves[:] = original  # from_pieces splits long moves in place
         problem = ScheduleProblem.from_pieces(pieces, cluster, bw_intra, bw_inter, cap, resident_bytes,
