@@ -13,6 +13,8 @@ the sequential stages exactly; ``train_step`` runs GPipe over micro_batch-sized 
 """
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import replace
 
 LAYOUTS_BY_WORLD = {
@@ -60,7 +62,7 @@ def _engines(rank: int, world: int, configs: tuple, seed: int, device: str) -> d
 
 
 def time_configs(rank: int, world: int, configs: tuple, reps: int, seed: int, device: str = "cpu") -> list[float]:
-    """Seconds of each config (slowest rank), minimum over ``reps`` passes after one warm-up pass."""
+    """Device seconds of each config (slowest rank), median over ``reps`` passes after a warm-up pass."""
     import torch
     import torch.distributed as dist
 
@@ -84,7 +86,7 @@ def time_configs(rank: int, world: int, configs: tuple, reps: int, seed: int, de
         else:
             eng.train_step(ids)
 
-    best = {c: float("inf") for c in configs}
+    samples: dict = {c: [] for c in configs}
     for pas in range(reps + 1):
         for c in configs:
             dist.barrier()
@@ -92,6 +94,6 @@ def time_configs(rank: int, world: int, configs: tuple, reps: int, seed: int, de
                 run(c)
             dt = world_device_time(sw)  # slowest rank, less time lost to other processes
             if pas:
-                best[c] = min(best[c], dt)
+                samples[c].append(dt)
             tick(1)
-    return [best[c] for c in configs]
+    return [statistics.median(samples[c]) for c in configs]

@@ -2,9 +2,11 @@
 memory bandwidth (large copies), and collectives (p2p, all-reduce, all-gather) over real gloo
 processes. Each returns a tidy pandas DataFrame, one row per measurement.
 
-Why minimum-of-repeats: this code often runs on machines shared with other work; the fastest
-repeat is the one least disturbed by neighbours, and it is what the cost model's "achievable"
-rates mean. Every row also keeps the median so the noise stays visible.
+Why the median of corrected repeats: this code often runs on machines shared with other work.
+Every repeat is timed as wall time minus the time the thread waited for a core (clock.py), which
+removes most of the neighbours' effect; the median over repeats spread across passes then
+discards both a disturbed repeat and a repeat whose correction overshot (the scheduler's and the
+wall clock's accounting disagree now and then). Every row also keeps the fastest repeat.
 
 A "device" is one CUDA GPU when one is present, otherwise one CPU process with one thread (so a
 world of n ranks is n devices, as it is for the reference transformer's stage timings).
@@ -81,7 +83,7 @@ def _sync(device: str) -> None:
 
 def time_call(fn: Callable[[], object], device: str, reps: int, budget_s: float,
               barrier: Callable[[], object] | None = None) -> tuple[float, float]:
-    """(min, median) seconds of one call; each repeat loops enough calls to last ~budget/reps.
+    """(median, min) device seconds of one call; each repeat loops enough calls to last ~budget/reps.
     ``barrier`` lines up all ranks before every repeat, so they measure while all are busy."""
     fn()
     _sync(device)
@@ -101,27 +103,27 @@ def time_call(fn: Callable[[], object], device: str, reps: int, budget_s: float,
                 fn()
             _sync(device)
         samples.append(sw.device / inner)
-    return min(samples), median(samples)
+    return median(samples), min(samples)
 
 
 def _passes(grid: BenchGrid) -> int:
     """Repeats are spread over passes through the whole grid, so that a burst of load from a
-    neighbour spoils one pass of a point, not all its repeats (the minimum over passes is kept)."""
+    neighbour spoils one pass of a point, not all its repeats (the median over passes is kept)."""
     return max(1, min(3, grid.reps // 2))
 
 
 def _merge(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
-    """Per point (same ``keys``): the fastest pass, with the median over all passes."""
-    best: dict[tuple, dict] = {}
-    meds: dict[tuple, list[float]] = {}
+    """Per point (same ``keys``): median over passes of the per-pass medians, fastest repeat."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        k = tuple(r[x] for x in keys)
-        meds.setdefault(k, []).append(r["seconds_median"])
-        if k not in best or r["seconds"] < best[k]["seconds"]:
-            best[k] = dict(r)
-    for k, r in best.items():
-        r["seconds_median"] = median(meds[k])
-    return list(best.values())
+        groups.setdefault(tuple(r[x] for x in keys), []).append(r)
+    out = []
+    for rs in groups.values():
+        r = dict(rs[0])
+        r["seconds"] = median(x["seconds"] for x in rs)
+        r["seconds_min"] = min(x["seconds_min"] for x in rs)
+        out.append(r)
+    return out
 
 
 def bench_matmul(grid: BenchGrid, device: str, progress: Callable[[int], None] | None = None,
@@ -137,11 +139,11 @@ def bench_matmul(grid: BenchGrid, device: str, progress: Callable[[int], None] |
             for m, n, k in grid.matmul_mnk if i == 0 else grid.side_mnk:
                 a = torch.randn(m, k, device=device, dtype=dt)
                 b = torch.randn(k, n, device=device, dtype=dt)
-                t_min, t_med = time_call(lambda: a @ b, device, max(1, grid.reps // passes), grid.budget_s / passes,
+                t_med, t_min = time_call(lambda: a @ b, device, max(1, grid.reps // passes), grid.budget_s / passes,
                                          barrier)
                 flops = 2.0 * m * n * k
                 rows.append({"kind": "matmul", "dtype": dtype, "m": m, "n": n, "k": k, "flops": flops,
-                             "seconds": t_min, "seconds_median": t_med})
+                             "seconds": t_med, "seconds_min": t_min})
                 if progress:
                     progress(1)
     df = pd.DataFrame(_merge(rows, ("dtype", "m", "n", "k")))
@@ -160,10 +162,10 @@ def bench_copy(grid: BenchGrid, device: str, progress: Callable[[int], None] | N
         for nbytes in grid.copy_bytes:
             src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
             dst = torch.empty_like(src)
-            t_min, t_med = time_call(lambda: dst.copy_(src), device, max(1, grid.reps // passes),
+            t_med, t_min = time_call(lambda: dst.copy_(src), device, max(1, grid.reps // passes),
                                      grid.budget_s / passes, barrier)
-            rows.append({"kind": "copy", "bytes": float(nbytes), "moved_bytes": 2.0 * nbytes, "seconds": t_min,
-                         "seconds_median": t_med})
+            rows.append({"kind": "copy", "bytes": float(nbytes), "moved_bytes": 2.0 * nbytes, "seconds": t_med,
+                         "seconds_min": t_min})
             del src, dst
             if progress:
                 progress(1)
@@ -214,7 +216,7 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], reps: int, b
             if op == "p2p":
                 t_min, t_med = t_min / 2, t_med / 2
             moved = 4.0 * (n if op != "all_gather" else max(1, n // world) * world)
-            rows.append({"kind": op, "world": world, "bytes": moved, "seconds": t_min, "seconds_median": t_med})
+            rows.append({"kind": op, "world": world, "bytes": moved, "seconds": t_med, "seconds_min": t_min})
     return rows
 
 
@@ -262,7 +264,7 @@ def run_all(grid: BenchGrid, device: str, world: int, progress: Callable[[int], 
                          timeout_s=900)[0] if world > 1 else []
         if progress and world > 1:
             progress(1)
-        out["comm"] = pd.DataFrame(comm, columns=["kind", "world", "bytes", "seconds", "seconds_median"])
+        out["comm"] = pd.DataFrame(comm, columns=["kind", "world", "bytes", "seconds", "seconds_min"])
         return out
     if world <= 1:
         threads = torch.get_num_threads()
@@ -270,7 +272,7 @@ def run_all(grid: BenchGrid, device: str, world: int, progress: Callable[[int], 
             torch.set_num_threads(1)
         try:
             return {"matmul": bench_matmul(grid, device, progress), "copy": bench_copy(grid, device, progress),
-                    "comm": pd.DataFrame(columns=["kind", "world", "bytes", "seconds", "seconds_median"])}
+                    "comm": pd.DataFrame(columns=["kind", "world", "bytes", "seconds", "seconds_min"])}
         finally:
             torch.set_num_threads(threads)
     res = run_world(_all_rank, world, (grid, device), timeout_s=900, progress=progress)[0]

@@ -15,6 +15,8 @@ config on a cluster built from the profile's hardware entry.
 """
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -156,7 +158,7 @@ def _time_plain(rank: int, world: int, configs: tuple[StageConfig, ...], reps: i
 
     # Passes over all configs (not repeats of one config in a row): a burst of load from a
     # neighbour then spoils one sample of several configs instead of every sample of one.
-    best = {c: float("inf") for c in configs}
+    samples: dict = {c: [] for c in configs}
     for pas in range(reps + 1):
         for c in configs:
             if dist_on:
@@ -165,9 +167,9 @@ def _time_plain(rank: int, world: int, configs: tuple[StageConfig, ...], reps: i
                 run(c)
             dt = world_device_time(sw)  # slowest rank, less time lost to other processes
             if pas:  # pass 0 warms caches and the allocator
-                best[c] = min(best[c], dt)
+                samples[c].append(dt)
             tick(1)
-    return [best[c] for c in configs]
+    return [statistics.median(samples[c]) for c in configs]
 
 
 def measure(configs: tuple[StageConfig, ...], world: int, reps: int = 2, seed: int = 0, backend: str = "plain",

@@ -20,8 +20,8 @@ def test_in_process_microbench_tables_are_tidy_and_positive():
     assert list(t["matmul"]["m"]) == [32, 64, 128] and (t["matmul"]["seconds"] > 0).all()
     assert (t["matmul"]["tflops"] > 0).all() and (t["copy"]["gbps"] > 0).all()
     assert t["comm"].empty
-    # seconds is the fastest pass, never slower than the median of passes
-    assert (t["matmul"]["seconds"] <= t["matmul"]["seconds_median"] + 1e-12).all()
+    # seconds is the median of corrected repeats, never faster than the fastest repeat
+    assert (t["matmul"]["seconds"] >= t["matmul"]["seconds_min"] - 1e-12).all()
 
 
 def test_two_process_world_measures_every_collective():
