@@ -341,10 +341,10 @@ _PHASES: list[tuple[str, float]] = []
 
 def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSpec | None = None) -> float:
     """Seconds to move from ``plan_a`` to ``plan_b``: a bandwidth bound (max over GPUs of send or
-    receive time, models' sources chosen one model at a time). It is what ``plan_transition``'s
-    ``lower_bound_s`` reports up to the joint source choice and local-copy time, and its schedule is
-    within 1.1x of it on the benchmark's plan pairs (benchmarks/transition_scaling.py). Cached by
-    ``layout_key`` and per model move. Identical layouts cost 0."""
+    receive time, models' sources chosen one model at a time). It is ``plan_transition``'s
+    ``lower_bound_s`` up to the joint source choice and local-copy time: on the benchmark's plan
+    pairs (benchmarks/transition_scaling.py) it was 1.00-1.18x that bound and 0.86-1.07x the
+    scheduled makespan. Cached by ``layout_key`` and per model move. Identical layouts cost 0."""
     if plan_a.layout_key() == plan_b.layout_key():
         return 0.0
     if job is None:
