@@ -68,7 +68,8 @@ def test_backends_agree_with_brute_force(seed):
     if sols["greedy"].plan is not None:
         assert sols["greedy"].objective >= opt * (1 - 1e-9)
     for s in sols.values():
-        assert_valid(problem, s)
+        if s.plan is not None:  # greedy may miss; the exact backends never do here
+            assert_valid(problem, s)
 
 
 def test_non_power_of_two_node_plan_is_valid():

@@ -67,6 +67,11 @@ def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, wo
     if any(not opts for opts in t.options):
         return _infeasible(problem, backend, t0)
     status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed)
+    if a is None and backend == "greedy":  # a heuristic miss proves nothing
+        return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
+                            wall_s=time.perf_counter() - t0, backend=backend,
+                            message="greedy found no memory-feasible plan among its pool templates "
+                                    "(not a proof; try --backend cpsat)")
     if a is None:
         why = "" if status == "INFEASIBLE" else f"{backend} found no plan within {time_limit_s:g} s"
         return _infeasible(problem, backend, t0, why) if status == "INFEASIBLE" else PlanSolution(
