@@ -44,6 +44,9 @@ class ApplyReport:
     messages: int
     regions_verified: int
     seconds: float
+    phases: tuple[tuple[str, float], ...] = ()
+    """Seconds per phase on this rank: allocate, prepare (local copies, sender checksums,
+    packing), exchange (waiting on the wire and on peers), verify (receiver checksums), vote+commit."""
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -90,6 +93,7 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
     in their destination region and are verified there."""
     sums_out: dict[int, list[int]] = defaultdict(list)
     incoming: list[tuple[TransferOp, torch.Tensor]] = []
+    t0 = time.perf_counter()
     for op in ops:
         if op.src_gpu == rank and op.dst_gpu == rank:
             new.target(op.region).copy_(store.read(op.region))
@@ -110,7 +114,9 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
         n = sum(1 for op, _ in incoming if op.src_gpu == peer)
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
+    t1 = time.perf_counter()
     transport.run(timeout_s)
+    t2 = time.perf_counter()
     seen: dict[int, int] = defaultdict(int)
     for op, view in incoming:
         expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
@@ -119,6 +125,10 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
             raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
                                   f"{op.region.kind} from rank {op.src_gpu})")
         counters["received"] += op.region.nbytes
+    t3 = time.perf_counter()
+    counters["prepare_s"] += t1 - t0
+    counters["exchange_s"] += t2 - t1
+    counters["verify_s"] += t3 - t2
 
 
 def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
@@ -131,20 +141,27 @@ def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
 
 
 def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
-                     timeout_s: float = 60.0, fault: FaultSpec | None = None) -> ApplyReport:
-    """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks."""
+                     timeout_s: float = 60.0, fault: FaultSpec | None = None,
+                     merge_rounds: bool = False) -> ApplyReport:
+    """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks.
+
+    ``merge_rounds``: post every round's transfers in one exchange, in (round, op id) order. The
+    result is the same bytes; it is safe only when the memory of every destination region fits
+    at once, which holds here because this executor keeps the old shards until commit and
+    allocates all new regions up front anyway. Default: the planner's rounds, one by one."""
     t0 = time.perf_counter()
-    counters = {"sent": 0, "received": 0, "copied": 0}
+    counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0}
     by_round: dict[int, list[TransferOp]] = defaultdict(list)
     for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):
         if rank in (op.src_gpu, op.dst_gpu):
-            by_round[op.round].append(op)
+            by_round[0 if merge_rounds else op.round].append(op)
     msgs0 = transport.messages
     reason = ""
     new: _NewLayout | None = None
     try:
         new = _NewLayout(store, plan, rank)
-        for rnd in range(plan.rounds):
+        counters["allocate_s"] = time.perf_counter() - t0
+        for rnd in range(1 if merge_rounds else plan.rounds):
             _inject(fault, rank, rnd)
             _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters)
         new.check_complete(rank)
@@ -152,6 +169,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
         ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
     transport.close()
+    t_vote = time.perf_counter()
     try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out
         agreed = transport.agree(ok, timeout_s)
         if ok and not agreed:
@@ -164,6 +182,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     for m in models:
         store.step[m] = transport.max_int(store.step.get(m, 0), timeout_s)
     store.replace(new.tensors.items())
+    phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
+    phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),)
     return ApplyReport(rank=rank, rounds=plan.rounds, bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], messages=transport.messages - msgs0,
-                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0)
+                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases)

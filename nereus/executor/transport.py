@@ -25,7 +25,7 @@ import torch
 from nereus.errors import TransitionError
 
 
-BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 1 << 18
 """Tensors below this size share one message per (peer, dtype); larger ones travel on their own
 without a packing copy (both sides decide by size alone, so they agree)."""
 

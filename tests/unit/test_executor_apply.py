@@ -62,7 +62,7 @@ class CorruptingTransport(MockTransport):
         super()._exchange(sends, recvs, timeout_s)
 
 
-def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None):
+def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False):
     tplan = plan_transition(JOB, local_cluster(world), a, b, mixed_precision=False, scheduler="greedy")
     hub = MockHub(world)
     stores = [ShardStore() for _ in range(world)]
@@ -74,7 +74,8 @@ def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt
     def run(r):
         cls = transport_cls if corrupt_rank in (None, r) else MockTransport
         try:
-            results[r] = apply_transition(stores[r], tplan, r, cls(r, hub), timeout_s=5.0, fault=fault)
+            results[r] = apply_transition(stores[r], tplan, r, cls(r, hub), timeout_s=5.0, fault=fault,
+                                          merge_rounds=merge_rounds)
         except TransitionError as e:
             results[r] = e
 
@@ -133,3 +134,11 @@ def test_transport_buckets_small_and_sends_large_alone():
     th.join()
     assert tx.messages == 2  # one bucket of 20 small tensors, one large tensor alone
     assert all(torch.equal(a, b) for a, b in zip(small, dst_small)) and torch.equal(big, dst_big)
+
+
+def test_merged_rounds_give_the_same_bits():
+    tplan, stores, _, results = _apply_threads(make_plan(pp=2, dp=2, zero=1), make_plan(tp=2, pp=2), 4,
+                                               merge_rounds=True)
+    assert tplan.rounds > 1 and all(not isinstance(r, Exception) for r in results), results
+    assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
+    assert all(dict(r.phases)["exchange_s"] >= 0 for r in results)
