@@ -5,8 +5,8 @@ divides every observed model-stage time by what the *uncorrected* model predicts
 plan and workload; the correction factor is the median of the recent ratios (robust to a noisy or
 straggling step), bounded to [lo, hi] so that one broken measurement cannot make the planner
 believe a stage is free or takes forever. The median of a sliding window converges as soon as half
-the window is from the current regime, and a changed parallel config of a model-stage restarts its
-window (its ratio depends on the config), seeded with the previous factor as a prior.
+the window is from the current regime. The ratio depends on the parallel config, so every config
+actually run keeps its own factor; the model-stage's latest factor covers configs never run.
 
 Factors feed the planner two ways: exactly per model-stage when the controller re-predicts a known
 plan, and per stage (``CostParams.stage_factor``, a time-weighted mean over the model-stages of the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Mapping
+from typing import Hashable, Mapping
 
 import numpy as np
 
@@ -33,26 +33,31 @@ class OnlineCalibration:
         self.transition_ratios: deque[float] = deque(maxlen=window)
         self._committed: dict[str, int] = {}
 
-    def update(self, model_stage: str, observed_s: float, predicted_s: float) -> None:
-        """Add one observation (``predicted_s`` from the uncorrected model, same plan and workload)."""
+    def update(self, model_stage: str, observed_s: float, predicted_s: float, config: Hashable = None) -> None:
+        """Add one observation (``predicted_s`` from the uncorrected model, same plan and workload).
+        ``config`` identifies the parallel config it ran under: the model's bias depends on it, so
+        each config observed keeps its own factor (the model-stage's latest factor is the fallback
+        for configs never run). Without per-config factors a controller flaps: the factor learned on
+        plan B makes plan A look better, and back."""
         if not (observed_s > 0 and predicted_s > 0 and math.isfinite(observed_s) and math.isfinite(predicted_s)):
             return
-        q = self._ratios.setdefault(model_stage, deque(maxlen=self.window))
-        q.append(observed_s / predicted_s)
-        self._weight[model_stage] = predicted_s
         lo, hi = self.bounds
-        self._factor[model_stage] = min(hi, max(lo, float(np.median(q))))
+        for key in ((model_stage,) if config is None else (model_stage, (model_stage, config))):
+            q = self._ratios.setdefault(key, deque(maxlen=self.window))
+            q.append(observed_s / predicted_s)
+            self._factor[key] = min(hi, max(lo, float(np.median(q))))
+        self._weight[model_stage] = predicted_s
 
-    def restart(self, model_stage: str) -> None:
-        """The model-stage's config changed: keep its factor as a single prior observation."""
-        if model_stage in self._factor:
-            self._ratios[model_stage] = deque([self._factor[model_stage]], maxlen=self.window)
-
-    def factor(self, model_stage: str) -> float:
+    def factor(self, model_stage: str, config: Hashable = None) -> float:
+        if config is not None:
+            hit = self._factor.get((model_stage, config))
+            if hit is not None:
+                return hit
         return self._factor.get(model_stage, 1.0)
 
     def factors(self) -> dict[str, float]:
-        return dict(self._factor)
+        """Per model-stage (latest config) factors."""
+        return {k: v for k, v in self._factor.items() if isinstance(k, str)}
 
     def stage_factors(self) -> dict[str, float]:
         """Per stage: time-weighted geometric mean of the model-stage factors of that stage."""

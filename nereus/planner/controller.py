@@ -33,7 +33,7 @@ from nereus.planner.audit import AuditLog
 from nereus.planner.calibration_online import OnlineCalibration
 from nereus.planner.cost_params import CostParams
 from nereus.planner.forecast import LengthForecaster
-from nereus.planner.plan import Plan
+from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
 from nereus.planner.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
@@ -107,7 +107,7 @@ class Controller:
                  total_steps: int | None = None, patience: int = 2, min_dwell: int = 5, mode: str = "adaptive",
                  rule: LayoutRule = FREE, bucket_ratio: float = 1.04, solve_bucket_ratio: float = 1.25,
                  calib_resolution: float = 0.10, library_size: int = 12, min_gain: float = 0.01,
-                 forecast_window: int = 30, time_limit_s: float = 5.0, seed: int = 0,
+                 forecast_window: int = 60, time_limit_s: float = 5.0, seed: int = 0,
                  build_transition: bool = True, transition_cost_fn: Callable[[Plan, Plan], float] | None = None,
                  plans: PlanCache | None = None, audit: AuditLog | None = None) -> None:
         if mode not in MODES:
@@ -193,7 +193,7 @@ class Controller:
         pred = evaluate_times(self.job, self.cluster, self.plan, w, self.base_params)
         for ms, obs in m.stage_times.items():
             if ms in pred.stage_s:
-                self.calibration.update(ms, float(obs), pred.stage_s[ms])
+                self.calibration.update(ms, float(obs), pred.stage_s[ms], _stage_key(self.plan.stage(ms)))
 
     def _offsets(self, step: int) -> tuple[int, ...]:
         h = self.horizon
@@ -224,7 +224,9 @@ class Controller:
         if not t.feasible:
             return math.inf, False
         f = self.calibration.factor
-        return compose_step(self.job, plan, {ms: s * f(ms) for ms, s in t.stage_s.items()}, t.weight_sync_s), True
+        keys = {s.name: _stage_key(s) for s in plan.stages}
+        return compose_step(self.job, plan, {ms: s * f(ms, keys[ms]) for ms, s in t.stage_s.items()},
+                            t.weight_sync_s), True
 
     def _score(self, c: _Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
         """Predicted seconds over the horizon (trapezoid over the forecast points)."""
@@ -373,9 +375,6 @@ class Controller:
         if best.cost_s > 0:
             self._last_switch = m.step
             self._last_cost_pred = best.cost_s
-            changed = {s.name for s in best.plan.stages if self.plan.stage(s.name).config != s.config}
-            for ms in changed:
-                self.calibration.restart(ms)
         self._streak = ((), 0)
         self.plan = best.plan
         return d
@@ -385,13 +384,19 @@ class Controller:
             "step": m.step, "decision": d.action, "must": d.must, "reason": d.reason,
             "forecast": [{"response_len_mean": w.response_len_mean, "response_len_p90": w.response_len_p90,
                           "response_len_max": w.response_len_max} for w in ws[:1] + ws[-1:]],
-            "gpus": self.gpus, "current_step_s": self.predict(cur.plan, ws[0])[0],
+            "gpus": self.gpus, "current_step_s": self.predict(cur.plan, ws[0])[0], "current_horizon_s": cur.horizon_s,
             "candidates": [{"origin": c.origin, "step_s": self.predict(c.plan, ws[0])[0], "horizon_s": c.horizon_s,
                             "transition_s": c.cost_s, "layout": _layout(c.plan)} for c in cands],
             "transition_s": d.predicted_cost_s, "saving_per_step_s": d.saving_per_step_s,
             "break_even_steps": d.break_even_steps, "plan": _layout(d.plan), "resolved": d.resolved,
             "overhead_ms": d.overhead_s * 1e3, "calibration": self.calibration.to_dict(),
         })
+
+
+def _stage_key(s: StagePlacement) -> tuple:
+    """What a model-stage's calibration factor is specific to: its config and pool size."""
+    c = s.config
+    return (c.tp, c.pp, c.dp, c.micro_batch, c.zero, c.recompute, s.gpus)
 
 
 def _layout(p: Plan) -> str:
