@@ -36,9 +36,10 @@ def test_rank_raises_mid_transition_all_roll_back():
 
 
 def test_rank_hangs_past_timeout_all_roll_back():
-    out, wall = _run(FaultSpec(rank=0, round=0, kind="hang", hang_s=3 * TIMEOUT_S))
+    out, wall = _run(FaultSpec(rank=0, round=0, kind="hang", hang_s=5 * TIMEOUT_S))
     for o in out:
         assert o is not HUNG, "the hung rank wakes up, fails and rolls back too"
         assert o["rolled_back"] and o["checksums_equal"], o
-    assert out[1]["seconds"] < 3 * TIMEOUT_S, "the healthy rank gives up after the timeout, not the hang"
+    # the healthy rank gives up after its timeouts (p2p, then the vote), not after the 15 s hang
+    assert out[1]["seconds"] < 4 * TIMEOUT_S
     assert wall < 60
