@@ -1,0 +1,34 @@
+"""The spawn harness: a raising rank is reported with its traceback; a rank that never returns
+is killed at the deadline and reported; the test ends in bounded time."""
+import time
+
+import pytest
+
+from nereus.executor.launch import RankFailed, launch
+
+pytestmark = pytest.mark.dist
+
+
+def _raise_on_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+def _hang_on_1(rank, world):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_raising_rank_is_reported_with_its_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed") as e:
+        launch(_raise_on_1, 2, timeout_s=60)
+    assert "ValueError: boom on purpose" in str(e.value) and "_raise_on_1" in str(e.value)
+
+
+def test_hung_rank_is_killed_at_the_deadline():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank\(s\) \[1\] of 2 did not finish within 15 s"):
+        launch(_hang_on_1, 2, timeout_s=15)
+    assert time.monotonic() - t0 < 40
