@@ -47,16 +47,16 @@ def run(args: argparse.Namespace) -> int:
     con = console()
     con.print(f"[bold]SIMULATED[/] trace {trace.name} ({len(trace)} steps, up to {trace.max_gpus} GPUs), "
               f"{cluster.gpu.name}; ground truth = cost model with other efficiencies + noise (seed {args.seed})")
-    t = Table("policy", "mean step s", "total h", "transitions", "transition s", "overhead", "infeasible steps",
-              "vs static")
+    t = Table("policy", "mean step s", "total h", "switches", "switch s", "switch %", "infeasible", "vs static")
     ref = summary.get("static", {}).get("mean_step_s")
     for name, d in summary.items():
         rel = f"{1 - d['mean_step_s'] / ref:+.1%}" if ref else "-"
         t.add_row(name, f"{d['mean_step_s']:.2f}", f"{d['total_s'] / 3600:.2f}", str(d["transitions"]),
                   f"{d['transition_s']:.1f}", f"{d['transition_overhead']:.3%}", str(d["infeasible_steps"]), rel)
     con.print(t)
-    con.print("'vs static': reduction of mean step latency (positive = faster than static). Infeasible steps are "
-              "charged the fastest candidate's time (a lower bound).")
+    con.print("switches: transitions that moved data (switch s: their total blocking time; switch %: share of run "
+              "time). vs static: reduction of mean step latency (positive = faster). Infeasible steps are charged "
+              "the fastest candidate's time (a lower bound).")
     write_json(args.json, {name: {k: d[k] for k in ("steps", "mean_step_s", "total_s", "transition_s",
                                                     "transition_overhead", "transitions", "infeasible_steps")}
                            | {"diagnostics": {k: v for k, v in d.items() if k not in ("steps",)}}

@@ -114,3 +114,21 @@ def test_verl_adapter_maps_metric_names():
                   step=7, gpus_available=8)
     assert m.stage_times == {"actor/generation": 40.0, "actor/training": 12.0, "ref/inference": 2.0}
     assert m.response_len_max == 4096 and m.step == 7 and 55 < m.peak_mem_gib < 56
+
+
+def test_audit_log_records_every_decision_with_its_numbers(setup, tmp_path):
+    from nereus.planner.audit import read_audit
+
+    job, cluster, gt = setup
+    path = tmp_path / "audit.jsonl"
+    ctl = Controller(job, cluster, audit_path=str(path), time_limit_s=2)
+    w = job.workload()
+    for s in range(3):
+        ctl.step(_metrics(s, w, gt.observe(ctl.plan, w, s)))
+    ctl.close()
+    recs = read_audit(path)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        assert {"forecast", "current_step_s", "candidates", "transition_s", "break_even_steps", "decision",
+                "reason"} <= set(r)
+        assert r["decision"] in ("stay", "switch") and r["current_step_s"] > 0
