@@ -25,63 +25,22 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from nereus.errors import NereusError
 from nereus.planner.audit import AuditLog
 from nereus.planner.calibration_online import OnlineCalibration
+from nereus.planner.controller_types import Decision, StepMetrics
 from nereus.planner.cost_params import CostParams
 from nereus.planner.forecast import LengthForecaster
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
 from nereus.planner.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
-from nereus.planner.transition_types import TransitionPlan
 
 MODES = ("adaptive", "always")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepMetrics:
-    """What the training loop measured in one step (all optional except the lengths)."""
-
-    step: int
-    response_len_mean: float
-    response_len_max: int
-    """Longest response allowed this step (the cap; the longest observed when no cap is known)."""
-    response_len_p90: float | None = None
-    prompt_len: int | None = None
-    stage_times: Mapping[str, float] = field(default_factory=dict)
-    """Seconds per model-stage, e.g. {"actor/generation": 41.2, "actor/training": 12.0}."""
-    peak_mem_gib: float | None = None
-    gpus_available: int | None = None
-    """GPUs the job may use from the next step on (default: unchanged)."""
-    response_len_cap: int | None = None
-    """The next step's response cap when the trainer changes it (default: ``response_len_max``)."""
-    oom: bool = False
-    """The step failed with out-of-memory on the current plan."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    action: str
-    """"stay" or "switch"."""
-    plan: Plan
-    """The plan to run the next step on (the current one when staying)."""
-    transition: TransitionPlan | None
-    """The transition graph to apply (None when staying, when only knobs change, or when the caller
-    asked not to build it)."""
-    predicted_cost_s: float
-    saving_per_step_s: float
-    break_even_steps: float
-    reason: str
-    must: bool = False
-    resolved: bool = False
-    """Whether this step called the plan solver."""
-    feasible: bool = True
-    """False when no feasible plan is known for the next step (the caller cannot run it safely)."""
-    overhead_s: float = 0.0
+__all__ = ["Controller", "Decision", "StepMetrics", "MODES"]
 
 
 @dataclass(slots=True)
