@@ -5,8 +5,8 @@ analytic per-model-stage estimates (nereus.planner.cost) with *other* efficienci
 (``TRUE_PARAMS``: slower training matmuls, lower HBM efficiency, slower links, more decode overhead,
 a heavier inference stage) and seeded multiplicative log-normal noise per step and model-stage, so
 online calibration has a real bias to learn. Transitions cost the makespan the transition planner
-schedules, times ``transition_slowdown`` (the real network is slower than the planner assumes), and
-block the job while they run.
+schedules (its bandwidth bound above 128 GPUs, see ``GroundTruth``), times ``transition_slowdown``
+(the real network is slower than the planner assumes), and block the job while they run.
 
 Step composition and memory accounting: nereus.planner.plan_times (shared with the controller, which
 evaluates the same way with the planner's CostParams times its learned correction factors).
@@ -30,6 +30,9 @@ TRUE_PARAMS = CostParams(
     stage_factor=(("generation", 1.0), ("inference", 1.12), ("training", 1.0)),
 )
 """The "real" machine: every efficiency differs from CostParams() defaults, by stage."""
+MAKESPAN_MAX_GPUS = 128
+"""Above this many GPUs the ground truth prices transitions with the planner's bandwidth bound
+(scheduling one large layout change on 1,024 GPUs takes about 30 s of CPU)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +51,15 @@ class GroundTruth:
     deterministic function of (seed, step, model-stage), identical for every policy."""
 
     def __init__(self, job: JobSpec, cluster: ClusterSpec, params: CostParams = TRUE_PARAMS, noise: float = 0.03,
-                 seed: int = 0, transition_slowdown: float = 1.25, transition: str = "bound",
+                 seed: int = 0, transition_slowdown: float = 1.25, transition: str = "auto",
                  transition_fn: Callable[[Plan, Plan], float] | None = None) -> None:
         """``transition``: "makespan" schedules every transition with the transition planner
-        (exact, but about 30 s per large 1,024-GPU layout change); "bound" (default) uses its
+        (greedy schedule; exact, but about 30 s per large 1,024-GPU layout change); "bound" uses its
         bandwidth lower bound ``transition_cost``, which the greedy schedule is within 1.10x of on
-        the transition benchmark's plan pairs; both are then multiplied by ``transition_slowdown``."""
-        if transition not in ("bound", "makespan"):
-            raise ValueError(f"transition must be 'bound' or 'makespan', got {transition!r}")
+        the transition benchmark's plan pairs; "auto" (default): makespan when both plans use at
+        most ``MAKESPAN_MAX_GPUS`` GPUs, else the bound. All are multiplied by ``transition_slowdown``."""
+        if transition not in ("auto", "bound", "makespan"):
+            raise ValueError(f"transition must be 'auto', 'bound' or 'makespan', got {transition!r}")
         self.transition = transition
         self.job, self.cluster, self.params = job, cluster, params
         self.noise, self.seed, self.transition_slowdown = noise, seed, transition_slowdown
@@ -105,7 +109,8 @@ class GroundTruth:
             return self._transition_fn(a, b)
         from nereus.planner.transition import plan_transition, transition_cost
 
-        if self.transition == "bound":
+        big = max(a.num_gpus, b.num_gpus) > MAKESPAN_MAX_GPUS
+        if self.transition == "bound" or (self.transition == "auto" and big):
             return float(transition_cost(a, b, self.cluster, self.job))
         return float(plan_transition(self.job, self.cluster, a, b, scheduler="greedy", materialize=False).makespan_s)
 
