@@ -45,8 +45,10 @@ class ApplyReport:
     regions_verified: int
     seconds: float
     phases: tuple[tuple[str, float], ...] = ()
-    """Seconds per phase on this rank: allocate, prepare (local copies, sender checksums,
-    packing), exchange (waiting on the wire and on peers), verify (receiver checksums), vote+commit."""
+    """Seconds per phase on this rank: allocate, prepare (posting, packing, and while the bytes
+    move: sender checksums and local copies), exchange (packing, the wire and waiting on peers; ``wire_s`` is the wire and waiting
+    part alone), verify (receiver checksums; runs during the next round's transfer, so it is
+    also inside that round's prepare), vote+commit."""
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -87,26 +89,39 @@ class _NewLayout:
 
 
 def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
-               timeout_s: float, counters: dict) -> None:
-    """One round: local copies, then every piece to or from a peer through the transport (which
-    buckets the small ones), plus one checksum message per peer; received pieces land directly
-    in their destination region and are verified there."""
-    sums_out: dict[int, list[int]] = defaultdict(list)
-    incoming: list[tuple[TransferOp, torch.Tensor]] = []
+               timeout_s: float, counters: dict, verify_previous=None):
+    """One round. The pieces to and from peers are posted first (the transport buckets the small
+    ones; received pieces land directly in their destination region); while they move, this
+    rank checksums what it sent, does its local copies and verifies the previous round's pieces.
+    Then one small checksum message per peer. Returns the check of this round's received pieces
+    (run by the next round, or after the last)."""
     t0 = time.perf_counter()
+    sent: list[tuple[int, torch.Tensor]] = []
+    incoming: list[tuple[TransferOp, torch.Tensor]] = []
+    local: list[TransferOp] = []
     for op in ops:
         if op.src_gpu == rank and op.dst_gpu == rank:
-            new.target(op.region).copy_(store.read(op.region))
-            counters["copied"] += op.region.nbytes
+            local.append(op)
         elif op.src_gpu == rank:
             piece = store.read(op.region)
             transport.submit_send(op.dst_gpu, piece)
-            sums_out[op.dst_gpu].append(checksum(piece))
+            sent.append((op.dst_gpu, piece))
             counters["sent"] += op.region.nbytes
         elif op.dst_gpu == rank:
             view = new.target(op.region)
             transport.submit_recv(op.src_gpu, view)
             incoming.append((op, view))
+    pending = transport.start()
+    sums_out: dict[int, list[int]] = defaultdict(list)
+    for peer, piece in sent:  # overlaps the transfer
+        sums_out[peer].append(checksum(piece))
+    for op in local:
+        new.target(op.region).copy_(store.read(op.region))
+        counters["copied"] += op.region.nbytes
+    if verify_previous is not None:
+        verify_previous()
+    t1 = time.perf_counter()
+    transport.finish(pending, timeout_s)
     for peer, sums in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(sums, dtype=torch.int64, device=store.device))
     sums_in: dict[int, torch.Tensor] = {}
@@ -114,21 +129,23 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
         n = sum(1 for op, _ in incoming if op.src_gpu == peer)
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
-    t1 = time.perf_counter()
     transport.run(timeout_s)
-    t2 = time.perf_counter()
-    seen: dict[int, int] = defaultdict(int)
-    for op, view in incoming:
-        expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
-        seen[op.src_gpu] += 1
-        if checksum(view) != expect:
-            raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
-                                  f"{op.region.kind} from rank {op.src_gpu})")
-        counters["received"] += op.region.nbytes
-    t3 = time.perf_counter()
     counters["prepare_s"] += t1 - t0
-    counters["exchange_s"] += t2 - t1
-    counters["verify_s"] += t3 - t2
+    counters["exchange_s"] += time.perf_counter() - t1
+
+    def verify() -> None:
+        t2 = time.perf_counter()
+        seen: dict[int, int] = defaultdict(int)
+        for op, view in incoming:
+            expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
+            seen[op.src_gpu] += 1
+            if checksum(view) != expect:
+                raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
+                                      f"{op.region.kind} from rank {op.src_gpu})")
+            counters["received"] += op.region.nbytes
+        counters["verify_s"] += time.perf_counter() - t2
+
+    return verify
 
 
 def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
@@ -155,15 +172,18 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):
         if rank in (op.src_gpu, op.dst_gpu):
             by_round[0 if merge_rounds else op.round].append(op)
-    msgs0 = transport.messages
+    msgs0, wire0 = transport.messages, transport.wire_s
     reason = ""
     new: _NewLayout | None = None
     try:
         new = _NewLayout(store, plan, rank)
         counters["allocate_s"] = time.perf_counter() - t0
+        verify = None
         for rnd in range(1 if merge_rounds else plan.rounds):
             _inject(fault, rank, rnd)
-            _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters)
+            verify = _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters, verify)
+        if verify is not None:
+            verify()
         new.check_complete(rank)
         ok = True
     except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
@@ -183,7 +203,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
         store.step[m] = transport.max_int(store.step.get(m, 0), timeout_s)
     store.replace(new.tensors.items())
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
-    phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),)
+    phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),
+               ("wire_s", round(transport.wire_s - wire0, 6)))
     return ApplyReport(rank=rank, rounds=plan.rounds, bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], messages=transport.messages - msgs0,
                        regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases)

@@ -1,7 +1,8 @@
 """Transports: how the bytes of a transition round move between ranks.
 
 Protocol (every rank of the transition, once per round, same order on all ranks):
-``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``.
+``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``,
+or ``start()`` ... ``finish(pending, timeout_s)`` to do other work while the bytes move.
 Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
 travel as one flat message, in submission order, so thousands of small regions are a handful of
 messages. Both sides submit in op-id order, so the buckets line up without any header.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from datetime import timedelta
@@ -38,6 +40,8 @@ class Transport(ABC):
         self._recvs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self.messages = 0
         self.bytes_sent = 0
+        self.wire_s = 0.0
+        """Seconds spent posting and waiting (the wire, or peers not ready yet), excluding packing."""
 
     def submit_send(self, peer: int, tensor: torch.Tensor) -> None:
         self._sends[(peer, tensor.dtype)].append(tensor)
@@ -50,7 +54,11 @@ class Transport(ABC):
         return t.numel() * t.element_size() >= self.bucket_bytes
 
     def run(self, timeout_s: float) -> None:
-        """Exchange every submitted tensor; raise TransitionError on failure or timeout.
+        """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
+        self.finish(self.start(), timeout_s)
+
+    def start(self):
+        """Post every submitted tensor and return at once (the bytes move in the background).
         Message order per peer: the bucket of small tensors, then the large ones in submission order."""
         sends: list[tuple[int, torch.Tensor]] = []
         recvs: list[tuple[int, torch.Tensor]] = []
@@ -73,15 +81,30 @@ class Transport(ABC):
                     scatter.append((buf.view(-1), [t]))
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
         if not sends and not recvs:
-            return
+            return None
         self.messages += len(sends)
         self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
-        self._exchange(sends, recvs, timeout_s)
+        t0 = time.perf_counter()
+        handle = self._post(sends, recvs)
+        self.wire_s += time.perf_counter() - t0
+        return handle, scatter, sends
+
+    def finish(self, pending, timeout_s: float) -> None:
+        """Wait for what ``start`` posted, then scatter bucketed receives into their tensors."""
+        if pending is None:
+            return
+        handle, scatter, _ = pending
+        t0 = time.perf_counter()
+        self._wait(handle, timeout_s)
+        self.wire_s += time.perf_counter() - t0
         for flat, into in scatter:
             _unpack(flat, into)
 
     @abstractmethod
-    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None: ...
+    def _post(self, sends: list, recvs: list): ...
+
+    @abstractmethod
+    def _wait(self, handle, timeout_s: float) -> None: ...
 
     @abstractmethod
     def agree(self, ok: bool, timeout_s: float) -> bool: ...
@@ -120,18 +143,21 @@ class DistTransport(Transport):
         super().__init__(rank, bucket_bytes)
         self.group = group
 
-    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
+    def _post(self, sends: list, recvs: list):
         import torch.distributed as dist
 
         ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
         ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
         try:
-            works = dist.batch_isend_irecv(ops)
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+
+    def _wait(self, works, timeout_s: float) -> None:
+        try:
             for w in works:
                 if not w.wait(timedelta(seconds=timeout_s)):
                     raise TransitionError(f"rank {self.rank}: a peer did not answer within {timeout_s:g} s")
-        except TransitionError:
-            raise
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
@@ -183,10 +209,13 @@ class MockTransport(Transport):
         super().__init__(rank, bucket_bytes)
         self.hub = hub
 
-    def _exchange(self, sends: dict, recvs: dict, timeout_s: float) -> None:
+    def _post(self, sends: list, recvs: list):
         with self.hub._lock:
             for peer, buf in sends:
                 self.hub.boxes[(self.rank, peer)].put(buf.clone())
+        return recvs
+
+    def _wait(self, recvs, timeout_s: float) -> None:
         for peer, buf in recvs:
             try:
                 got = self.hub.boxes[(peer, self.rank)].get(timeout=timeout_s)

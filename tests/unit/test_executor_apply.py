@@ -51,7 +51,7 @@ def test_layout_matches_planner_holdings(kw):
 class CorruptingTransport(MockTransport):
     """Flips one bit of the first bucket it sends: the receiver's checksum must catch it."""
 
-    def _exchange(self, sends, recvs, timeout_s):
+    def _post(self, sends, recvs):
         sends = list(sends)
         for i, (peer, buf) in enumerate(sends):
             if buf.dtype == torch.float32 and buf.numel():
@@ -59,7 +59,7 @@ class CorruptingTransport(MockTransport):
                 buf.view(torch.int32)[0] ^= 1
                 sends[i] = (peer, buf)
                 break
-        super()._exchange(sends, recvs, timeout_s)
+        return super()._post(sends, recvs)
 
 
 def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False):
