@@ -47,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
     con = console()
     con.print(f"[bold]SIMULATED[/] trace {trace.name} ({len(trace)} steps, up to {trace.max_gpus} GPUs), "
               f"{cluster.gpu.name}; ground truth = cost model with other efficiencies + noise (seed {args.seed})")
-    t = Table("policy", "mean step s", "total h", "switches", "switch s", "switch %", "infeasible", "vs static")
+    t = Table()
+    t.add_column("policy", no_wrap=True, min_width=8)
+    for name in ("mean step s", "total h", "switches", "switch s", "switch %", "infeasible", "vs static"):
+        t.add_column(name, justify="right")
     ref = summary.get("static", {}).get("mean_step_s")
     for name, d in summary.items():
         rel = f"{1 - d['mean_step_s'] / ref:+.1%}" if ref else "-"
