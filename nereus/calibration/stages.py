@@ -224,12 +224,18 @@ def fit_stage_params(rows: pd.DataFrame, params: CostParams, hw: Hardware) -> tu
     ``rows`` with every other parameter held at its microbenchmark value."""
     cfgs = [row_config(r) for r in rows.itertuples()]
     stages = [s for s in STAGES if any(c.stage == s for c in cfgs)]
-    names = [f"factor_{s}" for s in stages] + (["decode_step_overhead_s"] if "generation" in stages else [])
-    start = [1.0] * len(stages) + ([params.decode_step_overhead_s] if "generation" in stages else [])
+    gen = "generation" in stages
+    # Generation is fitted as (factor, per-step overhead as applied = factor x overhead): when
+    # decode is overhead-bound the data fix only the applied overhead, and a weak prior then
+    # keeps the factor (which also scales prefill and decode compute) near 1 without biasing it.
+    names = [f"factor_{s}" for s in stages] + (["applied_step_overhead_s"] if gen else [])
+    start = [1.0] * len(stages) + ([params.decode_step_overhead_s] if gen else [])
 
     def apply(v: dict[str, float]) -> CostParams:
         q = params.with_stage_factors(**{s: v[f"factor_{s}"] for s in stages})
-        return replace(q, decode_step_overhead_s=v.get("decode_step_overhead_s", q.decode_step_overhead_s))
+        if not gen:
+            return q
+        return replace(q, decode_step_overhead_s=v["applied_step_overhead_s"] / v["factor_generation"])
 
     def pred(v: dict[str, float]) -> np.ndarray:
         q = apply(v)
