@@ -177,7 +177,8 @@ import json
 from nereus.calibration.profile import estimate_table, load_profile
 prof = load_profile("cpu-local")
 print("how:", prof.how); print("when:", prof.when)
-print("held-out MAPE:", json.dumps(prof.to_dict().get("fit_quality", {}).get("heldout_mape", {})))
+print("held-out MAPE after calibration:", json.dumps(prof.heldout_mape))
+print("held-out MAPE with analytic defaults:", json.dumps(prof.fit.get("heldout_mape_before", {})))
 table = estimate_table(prof)
 table.round(4)"""),
         ("code", """summary = table.assign(err=(table["ratio"] - 1).abs(), err_uncal=(table["ratio_uncalibrated"] - 1).abs())\\
