@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
+from nereus.jsonio import read_json
 from nereus.planner.cost_params import CostParams
 from nereus.planner.specs import GPU_PRESETS, ClusterSpec, GPUSpec
 
@@ -151,12 +152,7 @@ def load_profile(path_or_name: str | Path) -> Profile:
     if not p.exists() and str(path_or_name) in SHIPPED:
         text = resources.files("nereus.calibration").joinpath(f"profiles/{path_or_name}.json").read_text()
         return Profile.from_dict(json.loads(text))
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"profile not found: {p} (shipped profiles: {', '.join(SHIPPED)})") from None
-    except json.JSONDecodeError as e:
-        raise SpecError(f"profile {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    data = read_json(p, "profile", f" (shipped profiles: {', '.join(SHIPPED)})")
     if not isinstance(data, Mapping):
         raise SpecError(f"profile {p}: expected a JSON object, got {type(data).__name__}")
     return Profile.from_dict(data)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
+from nereus.jsonio import read_json
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,12 +128,7 @@ def preset(name: str) -> ModelSpec:
 def from_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3 families). No weights."""
     p = Path(path)
-    try:
-        cfg = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"hf_config: file not found: {p}") from None
-    except json.JSONDecodeError as e:
-        raise SpecError(f"hf_config {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_json(p, "hf_config")
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:

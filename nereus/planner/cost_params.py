@@ -7,12 +7,12 @@ inter-node p2p ~72% of 50 GB/s, all-reduce latency floor 30-40 us, p2p 5-8 us.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
+from nereus.jsonio import read_json
 
 STAGES = ("generation", "inference", "training")
 
@@ -118,13 +118,9 @@ class CostParams:
     @classmethod
     def load(cls, path: str | Path) -> "CostParams":
         """From a profile JSON (``{"params": {...}}``) or a bare params JSON."""
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise SpecError(f"profile not found: {p}") from None
-        except json.JSONDecodeError as e:
-            raise SpecError(f"profile {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        data = read_json(path, "profile")
+        if not isinstance(data, Mapping):
+            raise SpecError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data.get("params", data))
 
 

@@ -11,12 +11,12 @@ layout (``actor/inference`` has the pool, tp, pp and dp of ``actor/training``).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from nereus.errors import SpecError
+from nereus.jsonio import read_json
 from nereus.planner.specs import ParallelConfig
 
 GiB = 1024**3
@@ -146,10 +146,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        p = Path(path)
-        try:
-            return cls.from_dict(json.loads(p.read_text()))
-        except FileNotFoundError:
-            raise SpecError(f"plan file not found: {p}") from None
-        except json.JSONDecodeError as e:
-            raise SpecError(f"plan {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        data = read_json(path, "plan file")
+        if not isinstance(data, Mapping):
+            raise SpecError(f"plan {path}: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
