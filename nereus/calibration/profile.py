@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import read_json
+from nereus.jsonio import check_keys, read_json
 from nereus.planner.cost_params import CostParams
 from nereus.planner.specs import GPU_PRESETS, ClusterSpec, GPUSpec
 
@@ -66,10 +66,7 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Hardware":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise SpecError(f"profile hardware: unknown field(s) {sorted(unknown)}")
+        check_keys("profile hardware", d, {f.name for f in fields(cls)})
         kw = dict(d)
         kw["sources"] = tuple((str(k), str(v)) for k, v in dict(d.get("sources", {})).items())
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import read_json
+from nereus.jsonio import check_keys, read_json
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,10 +98,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise SpecError(f"model spec: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        check_keys("model spec", d, {f.name for f in fields(cls)})
         missing = [f for f in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab") if f not in d]
         if missing:
             raise SpecError(f"model spec {d.get('name', '?')!r}: missing field(s) {missing}")

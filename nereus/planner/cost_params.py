@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import read_json
+from nereus.jsonio import check_keys, read_json
 
 STAGES = ("generation", "inference", "training")
 
@@ -104,10 +104,7 @@ class CostParams:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise SpecError(f"cost params: unknown field(s) {sorted(unknown)}")
+        check_keys("cost params", d, {f.name for f in fields(cls)})
         kw = dict(d)
         if "stage_factor" in kw:
             sf = kw["stage_factor"]

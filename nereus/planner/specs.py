@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import yaml
 
 from nereus.errors import SpecError
+from nereus.jsonio import check_keys
 from nereus.models.spec import ModelSpec, load_model
 
 GiB = 1024**3
@@ -34,17 +35,6 @@ def _positive(owner: str, name: str, v: Any, *, allow_zero: bool = False, real: 
         raise SpecError(f"{owner}: {name} must be a {'number' if real else 'whole number'}, got {v!r}")
     if v < 0 or (v == 0 and not allow_zero):
         raise SpecError(f"{owner}: {name} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
-
-
-def _check_keys(owner: str, d: Mapping[str, Any], known: set[str], required: tuple[str, ...] = ()) -> None:
-    if not isinstance(d, Mapping):
-        raise SpecError(f"{owner}: expected a mapping, got {type(d).__name__}")
-    unknown = set(d) - known
-    if unknown:
-        raise SpecError(f"{owner}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise SpecError(f"{owner}: missing field(s) {missing}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +134,7 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ClusterSpec":
-        _check_keys("cluster", d, {"gpu", "nodes", "gpus_per_node", *_GPU_OVERRIDES}, ("gpu", "nodes"))
+        check_keys("cluster", d, {"gpu", "nodes", "gpus_per_node", *_GPU_OVERRIDES}, ("gpu", "nodes"))
         name = str(d["gpu"])
         overrides = {k: d[k] for k in _GPU_OVERRIDES if k in d}
         base = GPU_PRESETS.get(name.lower())
@@ -278,12 +268,12 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base_dir: Path | None = None) -> "JobSpec":
-        _check_keys("job", d, {"algorithm", "models", "batch", "sequence"}, ("algorithm", "models", "batch", "sequence"))
+        check_keys("job", d, {"algorithm", "models", "batch", "sequence"}, ("algorithm", "models", "batch", "sequence"))
         models = d["models"]
-        _check_keys("job.models", models, set(ROLES))
+        check_keys("job.models", models, set(ROLES))
         pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
-        _check_keys("job.batch", d["batch"], {"prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"}, ("prompts",))
-        _check_keys("job.sequence", d["sequence"],
+        check_keys("job.batch", d["batch"], {"prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"}, ("prompts",))
+        check_keys("job.sequence", d["sequence"],
                     {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90"},
                     ("prompt_len", "response_len_mean", "response_len_max"))
         return cls(algorithm=str(d["algorithm"]).lower(), models=pairs,
@@ -340,7 +330,7 @@ class Workload:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Workload":
-        _check_keys("workload", d, {f.name for f in fields(cls)}, ("sequences", "prompt_len", "response_len_mean", "response_len_max"))
+        check_keys("workload", d, {f.name for f in fields(cls)}, ("sequences", "prompt_len", "response_len_mean", "response_len_max"))
         return cls(**d)
 
 
@@ -374,7 +364,7 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ParallelConfig":
-        _check_keys("parallel config", d, {f.name for f in fields(cls)})
+        check_keys("parallel config", d, {f.name for f in fields(cls)})
         return cls(**d)
 
 
