@@ -9,18 +9,27 @@ from typing import Any, Mapping
 from nereus.errors import SpecError
 
 
-def read_json(path: str | Path, what: str, hint: str = "") -> Any:
-    """Parsed JSON of ``path``; SpecError naming ``what`` (e.g. "plan", "profile") on a missing file,
-    a directory or invalid JSON (with line number)."""
+def read_text(path: str | Path, what: str, hint: str = "") -> str:
+    """Text of ``path``; SpecError naming ``what`` (e.g. "plan", "job log") on a missing file, a
+    directory or bytes that are not text."""
     p = Path(path)
     try:
-        return json.loads(p.read_text())
+        return p.read_text()
     except FileNotFoundError:
         raise SpecError(f"{what} not found: {p}{hint}") from None
     except IsADirectoryError:
         raise SpecError(f"{what}: expected a file, got a directory: {p}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{what} {p}: cannot read as text") from None
+
+
+def read_json(path: str | Path, what: str, hint: str = "") -> Any:
+    """Parsed JSON of ``path`` (errors as ``read_text``, plus invalid JSON with its line number)."""
+    text = read_text(path, what, hint)
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise SpecError(f"{what} {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise SpecError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def check_keys(owner: str, d: Mapping[str, Any], known: set[str] | frozenset[str],

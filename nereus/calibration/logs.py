@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from nereus.errors import SpecError
+from nereus.jsonio import read_text
 
 STAGE_KEYS: dict[str, str] = {
     "timing_s/gen": "actor/generation", "timing_s/generate_sequences": "actor/generation",
@@ -152,12 +153,7 @@ def _records(path: Path, text: str, issues: list[str]) -> list[tuple[str, Mappin
 def read_log(path: str | Path) -> LogTable:
     """Read a JSONL or CSV job log. Raises only when the file is missing or has no usable row."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"job log not found: {p}") from None
-    except (IsADirectoryError, UnicodeDecodeError) as e:
-        raise SpecError(f"job log {p}: cannot read as text ({type(e).__name__})") from None
+    text = read_text(p, "job log")
     issues: list[str] = []
     unknown: set[str] = set()
     recs = _records(p, text, issues)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import yaml
 
 from nereus.errors import SpecError
-from nereus.jsonio import check_keys
+from nereus.jsonio import check_keys, read_text
 from nereus.models.spec import ModelSpec, load_model
 
 GiB = 1024**3
@@ -373,12 +373,7 @@ class ParallelConfig:
 # ------------------------------------------------------------------------------------------------
 def read_yaml(path: str | Path) -> Any:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"file not found: {p}") from None
-    except IsADirectoryError:
-        raise SpecError(f"expected a file, got a directory: {p}") from None
+    text = read_text(p, "file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
