@@ -2,8 +2,9 @@
 
 Call order (every rank of the world calls ``apply_transition`` with the same plan):
 1. allocate the rank's new regions (kept regions are reused as they are, never copied);
-2. for each round, in op-id order: local copies, then bucketed sends/receives through the
-   transport; every received piece is checked against the checksum its sender computed;
+2. for each round, in op-id order: bucketed sends/receives through the transport, then local
+   copies; every message a rank receives (a bucket of small pieces, or one large piece in its
+   destination region) is checked against the checksum its sender computed over the same bytes;
 3. check every new region was written exactly once, element for element;
 4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
@@ -88,45 +89,60 @@ class _NewLayout:
                 raise TransitionError(f"rank {rank}: {r.tensor}/{r.kind} received {n} of {r.numel} elements")
 
 
+class _SourceSums:
+    """Checksums of outgoing messages; a message that is a view of a source region (a large
+    piece sent in place) is checksummed once per transition however many peers it goes to."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
+        self.memo: dict[tuple, int] = {}
+
+    def __call__(self, buf: torch.Tensor) -> int:
+        if buf.untyped_storage().data_ptr() not in self.sources:
+            return checksum(buf)  # a packed bucket or a contiguous copy: made for this message
+        key = (buf.data_ptr(), buf.numel(), buf.dtype)
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = checksum(buf)
+        return value
+
+
 def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
-               timeout_s: float, counters: dict, verify_previous=None):
-    """One round. The pieces to and from peers are posted first (the transport buckets the small
-    ones; received pieces land directly in their destination region); while they move, this
-    rank checksums what it sent, does its local copies and verifies the previous round's pieces.
-    Then one small checksum message per peer. Returns the check of this round's received pieces
-    (run by the next round, or after the last)."""
+               timeout_s: float, counters: dict, sums: _SourceSums, rnd: int, verify_previous=None):
+    """One round. Receives are posted first (the transport buckets the small pieces; large ones
+    land directly in their destination region), then each outgoing message right after this
+    rank checksummed it; while the bytes move, the local copies and the previous round's
+    comparison run. Every incoming message is checksummed as it arrives (bytes still in cache),
+    then one small checksum message per peer. Returns the comparison of this round's received
+    messages with their senders' checksums (run by the next round, or after the last)."""
     t0 = time.perf_counter()
-    sent: list[tuple[int, torch.Tensor]] = []
-    incoming: list[tuple[TransferOp, torch.Tensor]] = []
+    incoming = 0
     local: list[TransferOp] = []
     for op in ops:
         if op.src_gpu == rank and op.dst_gpu == rank:
             local.append(op)
         elif op.src_gpu == rank:
-            piece = store.read(op.region)
-            transport.submit_send(op.dst_gpu, piece)
-            sent.append((op.dst_gpu, piece))
+            transport.submit_send(op.dst_gpu, store.read(op.region))
             counters["sent"] += op.region.nbytes
         elif op.dst_gpu == rank:
-            view = new.target(op.region)
-            transport.submit_recv(op.src_gpu, view)
-            incoming.append((op, view))
-    pending = transport.start()
+            transport.submit_recv(op.src_gpu, new.target(op.region))
+            incoming += op.region.nbytes
     sums_out: dict[int, list[int]] = defaultdict(list)
-    for peer, piece in sent:  # overlaps the transfer
-        sums_out[peer].append(checksum(piece))
+    posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
     for op in local:
         new.target(op.region).copy_(store.read(op.region))
         counters["copied"] += op.region.nbytes
     if verify_previous is not None:
         verify_previous()
     t1 = time.perf_counter()
-    transport.finish(pending, timeout_s)
-    for peer, sums in sorted(sums_out.items()):
-        transport.submit_send(peer, torch.tensor(sums, dtype=torch.int64, device=store.device))
+    got: list[int] = []
+    transport.finish(posted, timeout_s, on_arrival=lambda i, buf: got.append(checksum(buf)))
+    for peer, values in sorted(sums_out.items()):
+        transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
+    recvs = posted.recvs if posted else []
     sums_in: dict[int, torch.Tensor] = {}
-    for peer in sorted({op.src_gpu for op, _ in incoming}):
-        n = sum(1 for op, _ in incoming if op.src_gpu == peer)
+    for peer in sorted({peer for peer, _ in recvs}):
+        n = sum(1 for p, _ in recvs if p == peer)
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
     transport.run(timeout_s)
@@ -136,13 +152,13 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
     def verify() -> None:
         t2 = time.perf_counter()
         seen: dict[int, int] = defaultdict(int)
-        for op, view in incoming:
-            expect = int(sums_in[op.src_gpu][seen[op.src_gpu]])
-            seen[op.src_gpu] += 1
-            if checksum(view) != expect:
-                raise TransitionError(f"rank {rank}: checksum mismatch on op {op.op_id} ({op.region.tensor}/"
-                                      f"{op.region.kind} from rank {op.src_gpu})")
-            counters["received"] += op.region.nbytes
+        for i, (peer, buf) in enumerate(recvs):
+            k = seen[peer]
+            seen[peer] += 1
+            if got[i] != int(sums_in[peer][k]):
+                raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}, message {k + 1} of "
+                                      f"{len(sums_in[peer])} from rank {peer} ({buf.numel() * buf.element_size()} bytes)")
+        counters["received"] += incoming
         counters["verify_s"] += time.perf_counter() - t2
 
     return verify
@@ -179,9 +195,11 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
         new = _NewLayout(store, plan, rank)
         counters["allocate_s"] = time.perf_counter() - t0
         verify = None
+        sums = _SourceSums(store)
         for rnd in range(1 if merge_rounds else plan.rounds):
             _inject(fault, rank, rnd)
-            verify = _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters, verify)
+            verify = _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters, sums, rnd,
+                                verify)
         if verify is not None:
             verify()
         new.check_complete(rank)

@@ -39,6 +39,17 @@ def contains(outer: Region, inner: Region) -> bool:
 
 
 LANES = 256
+_LANE_W = 2 * np.arange(LANES, dtype=np.uint64) + 1
+_ROW_W: dict[int, np.ndarray] = {}
+
+
+def _row_weights(rows: int) -> np.ndarray:
+    w = _ROW_W.get(rows)
+    if w is None:
+        if len(_ROW_W) > 4096:
+            _ROW_W.clear()
+        w = _ROW_W[rows] = 2 * np.arange(rows, dtype=np.uint64) + 1
+    return w
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -60,11 +71,11 @@ def checksum(t: torch.Tensor) -> int:
     rows = words.size // LANES
     main = words[: rows * LANES].reshape(rows, LANES)
     with np.errstate(over="ignore"):
-        lane = main.sum(axis=0, dtype=np.uint64)
-        lane[: words.size - rows * LANES] += words[rows * LANES:]
-        row = main.sum(axis=1, dtype=np.uint64)
-        h = int((lane * (2 * np.arange(LANES, dtype=np.uint64) + 1)).sum(dtype=np.uint64))
-        h += int((row * (2 * np.arange(rows, dtype=np.uint64) + 1)).sum(dtype=np.uint64))
+        lane = np.add.reduce(main, axis=0, dtype=np.uint64)
+        tail = words[rows * LANES:]
+        lane[: tail.size] += tail
+        row = np.add.reduce(main, axis=1, dtype=np.uint64)
+        h = int(np.dot(lane, _LANE_W)) + int(np.dot(row, _row_weights(rows)))
     h += int.from_bytes(raw[n8:].tobytes(), "little") * 1_000_003 + raw.size
     return h & 0x7FFFFFFFFFFFFFFF
 

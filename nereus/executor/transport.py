@@ -2,7 +2,9 @@
 
 Protocol (every rank of the transition, once per round, same order on all ranks):
 ``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``,
-or ``start()`` ... ``finish(pending, timeout_s)`` to do other work while the bytes move.
+or ``start()`` ... ``finish(pending, timeout_s)`` to do other work while the bytes move; ``start``
+and ``finish`` take hooks that see every outgoing message before it is posted and every incoming
+one as it arrives (the executor checksums there).
 Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
 travel as one flat message, in submission order, so thousands of small regions are a handful of
 messages. Both sides submit in op-id order, so the buckets line up without any header.
@@ -20,6 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -57,12 +60,16 @@ class Transport(ABC):
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
         self.finish(self.start(), timeout_s)
 
-    def start(self):
+    def start(self, before_send=None) -> "Posted | None":
         """Post every submitted tensor and return at once (the bytes move in the background).
-        Message order per peer: the bucket of small tensors, then the large ones in submission order."""
+
+        Message order per (peer, dtype): the bucket of small tensors, then the large ones in
+        submission order. Receives are posted first; then each send, one message at a time,
+        after ``before_send(peer, buf)`` (the caller's checksum: it reads the bytes just before
+        the wire does, so they are read from memory once)."""
         sends: list[tuple[int, torch.Tensor]] = []
         recvs: list[tuple[int, torch.Tensor]] = []
-        scatter: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        staged: list[list[torch.Tensor] | None] = []
         for (peer, _), ts in sorted(self._sends.items(), key=_key):
             small = [t for t in ts if not self._big(t)]
             if small:
@@ -71,40 +78,59 @@ class Transport(ABC):
         for (peer, dtype), ts in sorted(self._recvs.items(), key=_key):
             small = [t for t in ts if not self._big(t)]
             if small:
-                flat = torch.empty(sum(t.numel() for t in small), dtype=dtype, device=small[0].device)
-                recvs.append((peer, flat))
-                scatter.append((flat, small))
+                recvs.append((peer, torch.empty(sum(t.numel() for t in small), dtype=dtype, device=small[0].device)))
+                staged.append(small)
             for t in (t for t in ts if self._big(t)):
-                buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=dtype, device=t.device)
-                recvs.append((peer, buf))
-                if buf is not t:
-                    scatter.append((buf.view(-1), [t]))
+                direct = t.is_contiguous()
+                recvs.append((peer, t if direct else torch.empty(t.shape, dtype=dtype, device=t.device)))
+                staged.append(None if direct else [t])
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
         if not sends and not recvs:
             return None
         self.messages += len(sends)
         self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
         t0 = time.perf_counter()
-        handle = self._post(sends, recvs)
+        recv_handles = self._post_recvs(recvs) if recvs else []
+        send_handles = []
+        for peer, buf in sends:
+            if before_send is not None:
+                t1 = time.perf_counter()
+                before_send(peer, buf)
+                t0 += time.perf_counter() - t1
+            send_handles += self._post_sends([(peer, buf)])
         self.wire_s += time.perf_counter() - t0
-        return handle, scatter, sends
+        return Posted(recv_handles, send_handles, sends, recvs, staged)
 
-    def finish(self, pending, timeout_s: float) -> None:
-        """Wait for what ``start`` posted, then scatter bucketed receives into their tensors."""
+    def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None) -> None:
+        """Wait for what ``start`` posted, message by message in order. As each received message
+        completes, ``on_arrival(i, buf)`` runs on it (while its bytes are in cache) and a staged
+        message is scattered into its tensors; then the sends are waited for."""
         if pending is None:
             return
-        handle, scatter, _ = pending
+        for i, handle in enumerate(pending.recv_handles):
+            t0 = time.perf_counter()
+            self._wait(handle, timeout_s)
+            self.wire_s += time.perf_counter() - t0
+            buf = pending.recvs[i][1]
+            if on_arrival is not None:
+                on_arrival(i, buf)
+            if pending.staged[i] is not None:
+                _unpack(buf.view(-1), pending.staged[i])
         t0 = time.perf_counter()
-        self._wait(handle, timeout_s)
+        self._wait(pending.send_handles, timeout_s)
         self.wire_s += time.perf_counter() - t0
-        for flat, into in scatter:
-            _unpack(flat, into)
 
     @abstractmethod
-    def _post(self, sends: list, recvs: list): ...
+    def _post_recvs(self, recvs: list) -> list:
+        """Post the receives; per message, in order, the list of handles to wait for before it
+        has arrived."""
 
     @abstractmethod
-    def _wait(self, handle, timeout_s: float) -> None: ...
+    def _post_sends(self, sends: list) -> list:
+        """Post the sends; handles to wait for."""
+
+    @abstractmethod
+    def _wait(self, handles: list, timeout_s: float) -> None: ...
 
     @abstractmethod
     def agree(self, ok: bool, timeout_s: float) -> bool: ...
@@ -115,6 +141,21 @@ class Transport(ABC):
     def close(self) -> None:
         self._sends.clear()
         self._recvs.clear()
+
+
+@dataclass(slots=True)
+class Posted:
+    """What ``start`` posted: the messages in order (per peer, the same order on both sides)."""
+
+    recv_handles: list
+    send_handles: list
+    sends: list
+    """(peer, contiguous buffer) per outgoing message."""
+    recvs: list
+    """(peer, contiguous buffer) per incoming message: a destination tensor itself, or a staging
+    buffer (a bucket, or the contiguous copy of a strided destination)."""
+    staged: list
+    """Per incoming message: the tensors a staging buffer is scattered into, or None."""
 
 
 def _key(item) -> tuple[int, str]:
@@ -143,17 +184,26 @@ class DistTransport(Transport):
         super().__init__(rank, bucket_bytes)
         self.group = group
 
-    def _post(self, sends: list, recvs: list):
-        import torch.distributed as dist
-
-        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
+    def _batch(self, ops: list) -> list:
         try:
-            return dist.batch_isend_irecv(ops)
+            return dist_batch(ops)
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
-    def _wait(self, works, timeout_s: float) -> None:
+    def _post_recvs(self, recvs: list) -> list:
+        import torch.distributed as dist
+
+        works = self._batch([dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs])
+        if len(works) == len(recvs):  # gloo: one work per message
+            return [[w] for w in works]
+        return [list(works)] + [[] for _ in recvs[1:]]  # NCCL: one work for the batch
+
+    def _post_sends(self, sends: list) -> list:
+        import torch.distributed as dist
+
+        return self._batch([dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends])
+
+    def _wait(self, works: list, timeout_s: float) -> None:
         try:
             for w in works:
                 if not w.wait(timedelta(seconds=timeout_s)):
@@ -186,6 +236,13 @@ class DistTransport(Transport):
         return self._all_reduce(value, dist.ReduceOp.MAX, timeout_s)
 
 
+def dist_batch(ops: list) -> list:
+    """``batch_isend_irecv``; one work per op (gloo), or one for the batch (NCCL)."""
+    import torch.distributed as dist
+
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 GlooTransport = DistTransport
 NcclTransport = DistTransport
 
@@ -209,20 +266,23 @@ class MockTransport(Transport):
         super().__init__(rank, bucket_bytes)
         self.hub = hub
 
-    def _post(self, sends: list, recvs: list):
+    def _post_sends(self, sends: list) -> list:
         with self.hub._lock:
             for peer, buf in sends:
                 self.hub.boxes[(self.rank, peer)].put(buf.clone())
-        return recvs
+        return []
 
-    def _wait(self, recvs, timeout_s: float) -> None:
+    def _post_recvs(self, recvs: list) -> list:
+        return [[r] for r in recvs]
+
+    def _wait(self, recvs: list, timeout_s: float) -> None:
         for peer, buf in recvs:
             try:
                 got = self.hub.boxes[(peer, self.rank)].get(timeout=timeout_s)
             except queue.Empty:
                 raise TransitionError(f"rank {self.rank}: peer {peer} did not answer within {timeout_s:g} s") from None
             if got.numel() != buf.numel():
-                raise TransitionError(f"rank {self.rank}: bucket from {peer} has {got.numel()} elements, expected "
+                raise TransitionError(f"rank {self.rank}: message from {peer} has {got.numel()} elements, expected "
                                       f"{buf.numel()}")
             buf.copy_(got)
 

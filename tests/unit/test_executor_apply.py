@@ -51,15 +51,18 @@ def test_layout_matches_planner_holdings(kw):
 class CorruptingTransport(MockTransport):
     """Flips one bit of the first bucket it sends: the receiver's checksum must catch it."""
 
-    def _post(self, sends, recvs):
+    flipped = False
+
+    def _post_sends(self, sends):
         sends = list(sends)
         for i, (peer, buf) in enumerate(sends):
-            if buf.dtype == torch.float32 and buf.numel():
+            if not self.flipped and buf.dtype == torch.float32 and buf.numel():
                 buf = buf.clone()
                 buf.view(torch.int32)[0] ^= 1
                 sends[i] = (peer, buf)
+                self.flipped = True
                 break
-        return super()._post(sends, recvs)
+        return super()._post_sends(sends)
 
 
 def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False):
