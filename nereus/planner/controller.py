@@ -292,6 +292,10 @@ class Controller:
             return self._stay(cur, None, "", "no alternative plan")
         best = min(feasible, key=lambda c: c.net_s)
         saving = cur.horizon_s - best.horizon_s
+        if saving <= 0:
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"no alternative is faster over the horizon (the best is {-saving:.1f}s "
+                                             f"slower than the current {cur.horizon_s:.0f}s)")
         if saving <= self.min_gain * cur.horizon_s and best.cost_s > 0:
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is below {self.min_gain:.0%} of "
