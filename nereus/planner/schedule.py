@@ -15,11 +15,12 @@ whole chunks. Greedy: event-driven dense list scheduling (makespan <= 2 x bound 
 not bind). Whenever senders or receivers fall idle, the tasks that can start are started
 critical resource first: highest max(unstarted send work of the sender, unstarted receive work
 of the receiver), then longest, then task index. On the benchmark's transitions
-(benchmarks/transition_scaling.py) this is within 1.10x of the bound; the previous rule (each
-idle GPU, in index order, took the task whose other end had most work left) reached 1.16x.
-It is a heuristic: on synthetic sums of 3-8 weighted random permutations over 8-64 GPUs (every
-GPU equally loaded) its median was 1.14-1.34x the bound; rounds of matchings (a Birkhoff-von
-Neumann decomposition) would close that gap at the price of cutting buckets into many more ops.
+(benchmarks/transition_scaling.py) this is 1.00-1.07x the bound; the previous rule (each idle
+GPU, in index order, took the task whose other end had most work left) reached 1.16x.
+It is a heuristic: on synthetic sums of 4-8 weighted random permutations over 8-64 GPUs (every
+GPU equally loaded) its median over 20 instances was 1.12-1.34x the bound; rounds of matchings
+(a Birkhoff-von Neumann decomposition) would close that gap at the price of cutting buckets
+into many more ops.
 CP-SAT: one interval per task, no-overlap per resource, a reservoir per tight GPU for memory,
 minimise makespan, seeded with the greedy. If the greedy cannot make progress for lack of
 memory, the source state of the tight GPUs is staged through host memory first

@@ -360,7 +360,7 @@ def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSp
     """Seconds to move from ``plan_a`` to ``plan_b``: a bandwidth bound (max over GPUs of send or
     receive time, models' sources chosen one model at a time). It is ``plan_transition``'s
     ``lower_bound_s`` up to the joint source choice and local-copy time: on the benchmark's plan
-    pairs (benchmarks/transition_scaling.py) it was 1.00-1.18x that bound and 0.86-1.07x the
+    pairs (benchmarks/transition_scaling.py) it was 1.00-1.18x that bound and 0.93-1.13x the
     scheduled makespan. Cached by ``layout_key`` and per model move. Identical layouts cost 0."""
     if plan_a.layout_key() == plan_b.layout_key():
         return 0.0
