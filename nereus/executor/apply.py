@@ -1,9 +1,10 @@
-"""Apply a TransitionPlan on one rank: rounds, per-transfer checksums, then commit or roll back.
+"""Apply a TransitionPlan on one rank: rounds, per-message checksums, then commit or roll back.
 
 Call order (every rank of the world calls ``apply_transition`` with the same plan):
 1. allocate the rank's new regions (kept regions are reused as they are, never copied);
-2. for each round, in op-id order: bucketed sends/receives through the transport, then local
-   copies; every message a rank receives (a bucket of small pieces, or one large piece in its
+2. for each exchange (consecutive planner rounds, merged up to ``staging_bytes`` per rank), in
+   (round, op id) order: bucketed sends/receives through the transport, then local copies;
+   every message a rank receives (a bucket of small pieces, or one large piece in its
    destination region) is checked against the checksum its sender computed over the same bytes;
 3. check every new region was written exactly once, element for element;
 4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
@@ -39,6 +40,8 @@ class FaultSpec:
 class ApplyReport:
     rank: int
     rounds: int
+    exchanges: int
+    """Exchanges the rounds ran in (consecutive rounds merged, see ``round_groups``)."""
     bytes_sent: int
     bytes_received: int
     bytes_copied: int
@@ -108,7 +111,7 @@ class _SourceSums:
 
 
 def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
-               timeout_s: float, counters: dict, sums: _SourceSums, rnd: int, verify_previous=None):
+               timeout_s: float, counters: dict, sums: _SourceSums, rnd: str, verify_previous=None):
     """One round. Receives are posted first (the transport buckets the small pieces; large ones
     land directly in their destination region), then each outgoing message right after this
     rank checksummed it; while the bytes move, the local copies and the previous round's
@@ -173,21 +176,59 @@ def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
     raise RuntimeError(f"injected fault on rank {rank} in round {rnd}")
 
 
+STAGING_BYTES = 256 << 20
+"""Default bound on the bytes one rank sends plus receives in one exchange (see ``round_groups``)."""
+
+
+def round_groups(plan: TransitionPlan, staging_bytes: int | None) -> list[tuple[int, int]]:
+    """Consecutive planner rounds merged into exchanges, the same on every rank.
+
+    This executor keeps the old shards until commit and allocates every new region up front, so
+    its peak memory is old + new whatever the rounds; what a round bounds here is the transient
+    buffers (packed buckets, staging for strided targets), at most the bytes a rank sends and
+    receives in it. Rounds are merged while, on every rank, sent + received bytes of the merged
+    exchange stay within ``staging_bytes`` (a single round is never split). Fewer exchanges mean
+    fewer waits on the slowest rank. ``None``: one exchange; ``0``: the planner's rounds."""
+    if plan.rounds == 0:
+        return []
+    if staging_bytes is None:
+        return [(0, plan.rounds - 1)]
+    if staging_bytes <= 0:
+        return [(r, r) for r in range(plan.rounds)]
+    per: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for op in plan.ops:
+        if not op.is_copy:
+            per[op.round][op.dst_gpu] += op.region.nbytes
+            per[op.round][op.src_gpu] += op.region.nbytes
+    groups: list[tuple[int, int]] = []
+    lo, acc = 0, defaultdict(int)
+    for r in range(plan.rounds):
+        if r > lo and any(acc[g] + per[r].get(g, 0) > staging_bytes for g in set(acc) | set(per[r])):
+            groups.append((lo, r - 1))
+            lo, acc = r, defaultdict(int)
+        for g, b in per[r].items():
+            acc[g] += b
+    groups.append((lo, plan.rounds - 1))
+    return groups
+
+
 def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
                      timeout_s: float = 60.0, fault: FaultSpec | None = None,
-                     merge_rounds: bool = False) -> ApplyReport:
+                     staging_bytes: int | None = STAGING_BYTES, merge_rounds: bool = False) -> ApplyReport:
     """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks.
 
-    ``merge_rounds``: post every round's transfers in one exchange, in (round, op id) order. The
-    result is the same bytes; it is safe only when the memory of every destination region fits
-    at once, which holds here because this executor keeps the old shards until commit and
-    allocates all new regions up front anyway. Default: the planner's rounds, one by one."""
+    The planner's rounds run in exchanges of consecutive rounds (``round_groups``): at most
+    ``staging_bytes`` sent + received per rank in one exchange (default 256 MiB; ``0`` runs the
+    planner's rounds one by one). ``merge_rounds``: every round in one exchange. Same bytes
+    either way, in (round, op id) order."""
     t0 = time.perf_counter()
     counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0}
-    by_round: dict[int, list[TransferOp]] = defaultdict(list)
+    groups = round_groups(plan, None if merge_rounds else staging_bytes)
+    group_of = {r: i for i, (lo, hi) in enumerate(groups) for r in range(lo, hi + 1)}
+    by_group: dict[int, list[TransferOp]] = defaultdict(list)
     for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):
         if rank in (op.src_gpu, op.dst_gpu):
-            by_round[0 if merge_rounds else op.round].append(op)
+            by_group[group_of[op.round]].append(op)
     msgs0, wire0 = transport.messages, transport.wire_s
     reason = ""
     new: _NewLayout | None = None
@@ -196,10 +237,11 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
         counters["allocate_s"] = time.perf_counter() - t0
         verify = None
         sums = _SourceSums(store)
-        for rnd in range(1 if merge_rounds else plan.rounds):
-            _inject(fault, rank, rnd)
-            verify = _run_round(by_round.get(rnd, []), store, new, rank, transport, timeout_s, counters, sums, rnd,
-                                verify)
+        for gi, (lo, hi) in enumerate(groups):
+            for rnd in range(lo, hi + 1):
+                _inject(fault, rank, rnd)
+            verify = _run_round(by_group.get(gi, []), store, new, rank, transport, timeout_s, counters, sums,
+                                f"{lo}" if lo == hi else f"{lo}-{hi}", verify)
         if verify is not None:
             verify()
         new.check_complete(rank)
@@ -223,6 +265,6 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
     phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),
                ("wire_s", round(transport.wire_s - wire0, 6)))
-    return ApplyReport(rank=rank, rounds=plan.rounds, bytes_sent=counters["sent"], bytes_received=counters["received"],
+    return ApplyReport(rank=rank, rounds=plan.rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], messages=transport.messages - msgs0,
                        regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases)

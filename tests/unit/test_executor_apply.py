@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nereus.errors import TransitionError
-from nereus.executor.apply import FaultSpec, apply_transition
+from nereus.executor.apply import FaultSpec, apply_transition, round_groups
 from nereus.executor.layout import rank_regions
 from nereus.executor.scenario import init_store, local_cluster, make_plan, mismatches, tiny_job
 from nereus.executor.store import ShardStore, checksum, region_slices
@@ -65,7 +65,8 @@ class CorruptingTransport(MockTransport):
         return super()._post_sends(sends)
 
 
-def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False):
+def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False,
+                   staging_bytes=0):
     tplan = plan_transition(JOB, local_cluster(world), a, b, mixed_precision=False, scheduler="greedy")
     hub = MockHub(world)
     stores = [ShardStore() for _ in range(world)]
@@ -78,7 +79,7 @@ def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt
         cls = transport_cls if corrupt_rank in (None, r) else MockTransport
         try:
             results[r] = apply_transition(stores[r], tplan, r, cls(r, hub), timeout_s=5.0, fault=fault,
-                                          merge_rounds=merge_rounds)
+                                          merge_rounds=merge_rounds, staging_bytes=staging_bytes)
         except TransitionError as e:
             results[r] = e
 
@@ -145,3 +146,31 @@ def test_merged_rounds_give_the_same_bits():
     assert tplan.rounds > 1 and all(not isinstance(r, Exception) for r in results), results
     assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
     assert all(dict(r.phases)["exchange_s"] >= 0 for r in results)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 20_000, 200_000, None])
+def test_round_groups_cover_every_round_once_within_the_staging_limit(limit):
+    tplan = plan_transition(JOB, local_cluster(4), make_plan(pp=2, dp=2, zero=1), make_plan(tp=2, pp=2),
+                            mixed_precision=False, scheduler="greedy")
+    groups = round_groups(tplan, limit)
+    assert tplan.rounds > 2
+    assert [r for lo, hi in groups for r in range(lo, hi + 1)] == list(range(tplan.rounds))
+    if limit is None:
+        assert groups == [(0, tplan.rounds - 1)]
+    elif limit == 0:
+        assert groups == [(r, r) for r in range(tplan.rounds)]
+    for lo, hi in groups:  # a merged exchange keeps every rank's sent + received bytes within the limit
+        if limit is not None and hi > lo:
+            for g in range(4):
+                moved = sum(op.region.nbytes for op in tplan.ops if not op.is_copy and lo <= op.round <= hi
+                            and g in (op.src_gpu, op.dst_gpu))
+                assert moved <= limit
+
+
+def test_round_by_round_and_merged_exchanges_agree():
+    for limit in (0, 20_000):
+        tplan, stores, _, results = _apply_threads(make_plan(tp=2, pp=2), make_plan(dp=4, zero=1), 4,
+                                                   staging_bytes=limit)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
+        assert {r.exchanges for r in results} == {len(round_groups(tplan, limit))}
