@@ -1,0 +1,21 @@
+"""The DCP comparison benchmark runs end to end on a tiny state: all three methods, bit-exact."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reshard_vs_dcp_benchmark_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reshard_vs_dcp.py"), "--layers", "1",
+                           "--hidden", "64", "--repeat", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    for key in ("state_bytes", "nereus_s", "dcp_s", "raw_p2p_s", "speedup_vs_dcp", "fraction_of_raw"):
+        assert key in r
+    assert r["nereus_bit_exact"] and r["dcp_bit_exact"]
+    assert r["speedup_vs_dcp"] == r["dcp_s"] / r["nereus_s"] and r["fraction_of_raw"] == r["raw_p2p_s"] / r["nereus_s"]
+    assert r["exchanges"] >= 1 and r["network_bytes"] > 0
