@@ -107,7 +107,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
             w.wait()
 
     variants = ("nereus", "nereus_rounds", "nereus_no_verify")
-    times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", *variants)}
+    times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", "alloc_fill", *variants)}
     report = bad_nereus = fresh = None
     for i in range(repeat):
         ckpt = f"{tmp}/rep{i}"
@@ -145,12 +145,20 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                 dcp_equal = all(torch.equal(fresh[f"{r.tensor}.{r.kind}"].to_local(), t) for r, t in store.items())
             del store, box
         times["raw"].append(_timed(raw))
+
+        def alloc_fill():  # what materialising B in new memory costs any method, before any byte moves
+            box_f["t"] = [torch.empty(r.lengths).fill_(1.0) for r in regions_b]
+
+        box_f: dict = {}
+        times["alloc_fill"].append(_timed(alloc_fill))
+        del box_f
     total = torch.tensor([store_a.nbytes()], dtype=torch.int64)
     dist.all_reduce(total)
     return {"rank": rank, "state_bytes": int(total), "nereus_s": min(times["nereus"]),
             "nereus_rounds_s": min(times["nereus_rounds"]), "nereus_no_verify_s": min(times["nereus_no_verify"]),
             "exchanges": report.exchanges, "dcp_save_s": min(times["save"]),
-            "dcp_load_s": min(times["load"]), "raw_p2p_s": min(times["raw"]), "all_times": times,
+            "dcp_load_s": min(times["load"]), "raw_p2p_s": min(times["raw"]), "alloc_fill_s": min(times["alloc_fill"]),
+            "all_times": times,
             "nereus_mismatches": len(bad_nereus), "dcp_equal": dcp_equal, "bytes_sent": report.bytes_sent,
             "bytes_copied": report.bytes_copied, "messages": report.messages}
 
@@ -189,7 +197,7 @@ def main(argv=None) -> int:
     res = {"state_bytes": r["state_bytes"], "nereus_s": r["nereus_s"], "dcp_s": dcp_s, "raw_p2p_s": r["raw_p2p_s"],
            "speedup_vs_dcp": dcp_s / r["nereus_s"], "fraction_of_raw": r["raw_p2p_s"] / r["nereus_s"],
            "nereus_planner_rounds_s": r["nereus_rounds_s"],
-           "nereus_no_verify_s_diagnostic": r["nereus_no_verify_s"], "exchanges": r["exchanges"], "dcp_save_s": r["dcp_save_s"], "dcp_load_s": r["dcp_load_s"], "network_bytes": net,
+           "nereus_no_verify_s_diagnostic": r["nereus_no_verify_s"], "alloc_fill_b_s": r["alloc_fill_s"], "exchanges": r["exchanges"], "dcp_save_s": r["dcp_save_s"], "dcp_load_s": r["dcp_load_s"], "network_bytes": net,
            "local_copy_bytes": sum(o["bytes_copied"] for o in out), "messages": sum(o["messages"] for o in out),
            "ops": len(tplan.ops), "rounds": tplan.rounds, "plan_s": plan_s, "model": model.name,
            "layout_a": plan_a.home("actor").config.label(), "layout_b": plan_b.home("actor").config.label() + "z0",
@@ -207,7 +215,8 @@ def main(argv=None) -> int:
                     ("  Nereus, checksums off (diagnostic)", r["nereus_no_verify_s"]),
                     ("DCP save in A + load in B", dcp_s),
                     ("  of which save", r["dcp_save_s"]), ("  of which load", r["dcp_load_s"]),
-                    ("raw batch_isend_irecv (same bytes)", r["raw_p2p_s"])):
+                    ("raw batch_isend_irecv (same bytes)", r["raw_p2p_s"]),
+                    ("allocate + fill B's regions (no transfer)", r["alloc_fill_s"])):
         print(f"{name:<40}{s:>10.3f}{res['state_bytes'] / gb / s:>14.2f}")
     print(f"headline = default apply (planner rounds merged up to {STAGING_BYTES >> 20} MiB sent + received per rank); "
           f"verification costs {r['nereus_s'] - r['nereus_no_verify_s']:+.3f} s (checksums off is not a product mode)")
