@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                   r["scheduler"], f"{1e3 * r['transition_cost_call_s']:.0f}")
     con = Console(highlight=False, width=180)
     con.print(t)
-    con.print("plan s = wall time on this shared 2-core machine (other jobs running); per-phase times are in --json.")
+    con.print("plan s = wall time on this 2-core machine (shared: other jobs may be running); per-phase times are in --json.")
     con.print("Goals: makespan <= 1.10 x lower bound; planning < 2 s at 1,024 GPUs for 70B (this 2-core machine).")
     con.print("Peers (reported, not re-measured): DynaTrain < 2 s of transfer for 70B; DynaRL 0.5-5 s per reallocation.")
     if args.json:

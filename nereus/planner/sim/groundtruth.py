@@ -55,8 +55,8 @@ class GroundTruth:
                  transition_fn: Callable[[Plan, Plan], float] | None = None) -> None:
         """``transition``: "makespan" schedules every transition with the transition planner
         (greedy schedule; exact, but about 30 s per large 1,024-GPU layout change); "bound" uses its
-        bandwidth lower bound ``transition_cost``, which the greedy schedule is within 1.10x of on
-        the transition benchmark's plan pairs; "auto" (default): makespan when both plans use at
+        bandwidth bound ``transition_cost`` (0.93-1.13x the greedy schedule's makespan on the
+        transition benchmark's plan pairs); "auto" (default): makespan when both plans use at
         most ``MAKESPAN_MAX_GPUS`` GPUs, else the bound. All are multiplied by ``transition_slowdown``."""
         if transition not in ("auto", "bound", "makespan"):
             raise ValueError(f"transition must be 'auto', 'bound' or 'makespan', got {transition!r}")
