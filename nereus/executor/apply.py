@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nereus.errors import TransitionError
+from nereus.gcpause import gc_paused
 from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, region_slices
 from nereus.executor.transport import Transport
 from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
@@ -212,6 +213,7 @@ def round_groups(plan: TransitionPlan, staging_bytes: int | None) -> list[tuple[
     return groups
 
 
+@gc_paused()
 def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
                      timeout_s: float = 60.0, fault: FaultSpec | None = None,
                      staging_bytes: int | None = STAGING_BYTES, merge_rounds: bool = False) -> ApplyReport:

@@ -17,15 +17,14 @@ so the most-loaded sender carries at most OPT + largest piece <= 2 OPT (LPT: 4/3
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Iterator, Mapping
 
 from nereus.errors import TransitionError
+from nereus.gcpause import gc_paused
 from nereus.models.inventory import TensorInfo, tensor_inventory
 from nereus.planner.cost_params import CostParams
 from nereus.planner.emu import OPTIMIZER_KINDS, dp_sharded, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
@@ -286,21 +285,7 @@ def plan_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Pl
                             include_optimizer=include_optimizer).plan
 
 
-@contextmanager
-def _gc_paused():
-    """Planning builds hundreds of thousands of small lists and tuples that stay alive until it
-    returns; the cyclic collector would walk them over and over and free nothing (0.1-0.7 s of
-    1.2-2 s for 70B on 1,024 GPUs in our runs). Reference counting still frees everything."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@_gc_paused()
+@gc_paused()
 def build_transition(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision: bool = True,
                      time_limit_s: float = 2.0, scheduler: str = "auto", capacity_bytes: float | None = None,
                      resident_bytes: float | Mapping[int, float] | None = None,
