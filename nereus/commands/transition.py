@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("makespan / lower bound", f"{ratio:.3f}")
     t.add_row("peak memory per GPU", f"{st['peak_mem_bytes'] / GiB:.2f} GiB of {st['capacity_bytes'] / GiB:.2f} GiB "
               f"({tp.peak_mem_frac:.0%})")
+    keep = st.get("peak_mem_bytes_keep_old", 0.0)
+    t.add_row("  old state kept until commit", f"{keep / GiB:.2f} GiB ({keep / st['capacity_bytes']:.0%}; the executor's "
+              "rollback)")
     t.add_row("staged via host", "yes" if tp.staged_via_host else "no")
     t.add_row("planning time", f"{tp.plan_s:.2f} s")
     con.print(t)

@@ -50,6 +50,9 @@ class ScheduleProblem:
     """Bytes on each GPU at time 0 (resident + source state, minus what nobody reads)."""
     capacity: float
     host_bps: float = 25e9
+    hold_mem: dict[int, float] = field(default_factory=dict)
+    """Bytes on each GPU at time 0 counting every source region (also those nobody reads): what
+    stays allocated when the old state is kept until commit, as the executor does for rollback."""
     lower_bound_s: float = 0.0
 
     @property
@@ -158,6 +161,7 @@ def _memory_groups(p: ScheduleProblem, pieces, readers: dict, resident_bytes) ->
     groups: dict[tuple[int, tuple[int, ...]], int] = {}
     for ti, box, g, b, kept in pieces.src_units:
         p.base_mem[g] = p.base_mem.get(g, 0.0) + b
+        p.hold_mem[g] = p.hold_mem.get(g, 0.0) + b
         if kept:
             continue
         r = readers.get((ti, g))  # a GPU holds one box per template
@@ -169,9 +173,13 @@ def _memory_groups(p: ScheduleProblem, pieces, readers: dict, resident_bytes) ->
     p.free_groups = [(g, b, r) for (g, r), b in sorted(groups.items())]
     for t in range(p.n):
         p.base_mem.setdefault(p.dst[t], 0.0)
+    for g in p.base_mem:
+        p.hold_mem.setdefault(g, 0.0)
     if resident_bytes is not None:
         for g in list(p.base_mem):
-            p.base_mem[g] += resident_bytes.get(g, 0.0) if isinstance(resident_bytes, Mapping) else resident_bytes
+            extra = resident_bytes.get(g, 0.0) if isinstance(resident_bytes, Mapping) else resident_bytes
+            p.base_mem[g] += extra
+            p.hold_mem[g] += extra
 
 
 def _resource_loads(p: ScheduleProblem) -> dict[tuple[str, int], float]:

@@ -99,8 +99,20 @@ def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, mat
     return (("ops", n_ops), ("buckets", problem.n), ("rounds", 1 + max(rounds, default=-1)), ("materialized", materialized),
             ("bytes_local_copy", by["local"]), ("bytes_intra_node", by["intra"]), ("bytes_inter_node", by["inter"]),
             ("dst_bytes", pieces.dst_bytes), ("peak_mem_bytes", max(peak.values(), default=0.0)),
+            ("peak_mem_bytes_keep_old", _keep_old_peak(problem)),
             ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status),
             *((f"time_{name}_s", round(sec, 4)) for name, sec in _PHASES))
+
+
+def _keep_old_peak(problem) -> float:
+    """Largest bytes on one GPU when every source region stays until the end (the executor keeps
+    the old state until commit so it can roll back): all of the old state, resident bytes and
+    everything allocated for the new state; the schedule's own peak frees sources as they are read."""
+    alloc: dict[int, float] = {}
+    for t in range(problem.n):
+        alloc[problem.dst[t]] = alloc.get(problem.dst[t], 0.0) + problem.nbytes[t]
+    gpus = set(problem.hold_mem) | set(alloc)
+    return max((problem.hold_mem.get(g, 0.0) + alloc.get(g, 0.0) for g in gpus), default=0.0)
 
 
 def transition_graph(result: TransitionResult):

@@ -102,6 +102,14 @@ def check(job, a, b, res, cap):
     assert tp.makespan_s >= tp.lower_bound_s * (1 - 1e-9)
     assert replay_ops(tp, res.schedule.staged, cap) <= 1 + 1e-9
     assert tp.peak_mem_frac <= 1 + 1e-9
+    # keeping the old state until commit (the executor's rollback): all of A plus what B allocates
+    kept = {(h.gpu, h.region) for h in tp.kept}
+    gpus = {h.gpu for h in tp.src} | {h.gpu for h in tp.dst}
+    keep_old = max(sum(h.region.nbytes for h in tp.src if h.gpu == g)
+                   + sum(h.region.nbytes for h in tp.dst if h.gpu == g and (g, h.region) not in kept) for g in gpus)
+    st = dict(tp.stats)
+    assert st["peak_mem_bytes_keep_old"] == pytest.approx(keep_old)
+    assert st["peak_mem_bytes_keep_old"] >= st["peak_mem_bytes"] - 1e-6
     assert nx.is_directed_acyclic_graph(res.graph())
     return tp
 
