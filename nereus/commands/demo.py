@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
                      seed=args.seed, out_dir=args.out_dir)
     out = run_demo(cfg)
     s = out["summary"]
-    blank = {"mean_step_s": None, "transition_s": None, "infeasible_steps": None, "peak_mem_frac": None}
+    blank = {"mean_step_s": None, "transition_s": None, "infeasible_steps": None, "peak_mem_frac": None,
+             "transition_peak_mem_frac": None}
     pick = lambda d: {k: d[k] for k in blank} if d else blank  # noqa: E731
     a = s.get("adaptive")
     write_json(args.json, {"steps": cfg.steps, "transitions": a["transitions"] if a else 0,

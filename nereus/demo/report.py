@@ -36,6 +36,8 @@ def print_summary(summary: dict[str, dict]) -> None:
             ("mean step time (completed steps)", lambda s: f"{s['mean_step_s']:.2f} s"),
             ("response tokens trained per second", lambda s: f"{s['trained_tokens_per_s']:.0f}"),
             ("peak memory / budget", lambda s: f"{s['peak_mem_frac']:.0%}"),
+            ("  during transitions (old state kept)", lambda s: "-" if s.get("transition_peak_mem_frac") is None
+             else f"{s['transition_peak_mem_frac']:.0%}"),
             ("final mean response length", lambda s: f"{s['final_response_len_mean']:.1f}"),
             ("final mean reward", lambda s: f"{s['final_reward']:.1f}")]
     t = Table("measured in this run", *summary.keys(), title="summary")

@@ -88,6 +88,7 @@ def summarize(records: list[dict], budget_mb: float) -> dict:
             "transitions": len(trans), "verified_transitions": sum(1 for r in trans if r.get("verified")),
             "infeasible_steps": sum(1 for r in records if r["oom"]),
             "peak_mem_frac": max(r["peak_mem_frac"] for r in records),
+            "transition_peak_mem_frac": max((r.get("transition_peak_mem_frac", 0.0) for r in trans), default=None),
             "final_response_len_mean": records[-1]["response_len_mean"], "final_reward": records[-1]["reward"],
             "budget_mb": budget_mb}
 

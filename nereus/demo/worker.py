@@ -206,6 +206,8 @@ class _Run:
             rec["transition_s"] = _max(time.perf_counter() - t0)
             rec["transition_bytes"] = int(tplan.bytes_moved)
             rec["regions_verified"] = int(_max(report.regions_verified))
+            # the old state stays until commit (rollback): the transition's own high point
+            rec["transition_peak_mem_frac"] = _max(float(report.peak_bytes)) / (self.cfg.budget_mb * 1024**2)
             rec["verified"] = True  # apply_transition commits only after every rank verified
         self.plan = new_plan
         self.actor.rebind(new_plan.home("actor"))

@@ -48,6 +48,10 @@ class ApplyReport:
     bytes_copied: int
     messages: int
     regions_verified: int
+    peak_bytes: int = 0
+    """Bytes this rank held at the transition's high point: the old state (kept until commit),
+    the newly allocated regions, and the largest exchange's staging buffers (packed sends,
+    staged receives)."""
     seconds: float
     phases: tuple[tuple[str, float], ...] = ()
     """Seconds per phase on this rank: allocate, prepare (posting, packing, and while the bytes
@@ -86,6 +90,9 @@ class _NewLayout:
                 return self.tensors[r][region_slices(r, piece)]
         raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
                               "no destination region of this rank")
+
+    def allocated_bytes(self) -> int:
+        return sum(self.tensors[r].numel() * self.tensors[r].element_size() for r in self.filled)
 
     def check_complete(self, rank: int) -> None:
         for r, n in self.filled.items():
@@ -133,6 +140,11 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
             incoming += op.region.nbytes
     sums_out: dict[int, list[int]] = defaultdict(list)
     posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
+    if posted is not None:
+        staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
+        staging += sum(b.numel() * b.element_size() for _, b in posted.sends
+                       if b.untyped_storage().data_ptr() not in sums.sources)
+        counters["staging_peak"] = max(counters["staging_peak"], staging)
     for op in local:
         new.target(op.region).copy_(store.read(op.region))
         counters["copied"] += op.region.nbytes
@@ -224,7 +236,9 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     planner's rounds one by one). ``merge_rounds``: every round in one exchange. Same bytes
     either way, in (round, op id) order."""
     t0 = time.perf_counter()
-    counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0}
+    counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0,
+                "staging_peak": 0}
+    held_before = store.nbytes()
     groups = round_groups(plan, None if merge_rounds else staging_bytes)
     group_of = {r: i for i, (lo, hi) in enumerate(groups) for r in range(lo, hi + 1)}
     by_group: dict[int, list[TransferOp]] = defaultdict(list)
@@ -269,4 +283,5 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                ("wire_s", round(transport.wire_s - wire0, 6)))
     return ApplyReport(rank=rank, rounds=plan.rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], messages=transport.messages - msgs0,
-                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases)
+                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases,
+                       peak_bytes=held_before + new.allocated_bytes() + counters["staging_peak"])

@@ -23,5 +23,8 @@ def test_adaptive_switches_before_the_cap_raise_and_verifies(tmp_path):
     assert records[-1]["plan"] != records[0]["plan"]
     s = summarize(records, cfg.budget_mb)
     assert s["infeasible_steps"] == 0 and s["peak_mem_frac"] <= 1.0
+    # a transition holds the old state until commit: measured, above the state alone, within budget here
+    assert all(0 < r["transition_peak_mem_frac"] for r in switches)
+    assert s["transition_peak_mem_frac"] == max(r["transition_peak_mem_frac"] for r in switches)
     audit = [json.loads(line) for line in open(tmp_path / "audit-adaptive.jsonl")]
     assert len(audit) == 4 and any(a["decision"] == "switch" for a in audit)

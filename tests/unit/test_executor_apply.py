@@ -99,6 +99,11 @@ def test_mock_transition_tp2pp2_to_dp4_is_bit_exact_and_bucketed():
         assert mismatches(s, JOB, seed=0) == []
         assert sorted(s) == sorted(h.region for h in tplan.dst if h.gpu == rank)
     assert sum(r.bytes_sent + r.bytes_copied for r in results) == tplan.bytes_moved
+    kept = set(tplan.kept)
+    for rank, r in enumerate(results):  # old state + new regions, plus at most the staged traffic
+        held = sum(h.region.nbytes for h in tplan.src if h.gpu == rank)
+        new = sum(h.region.nbytes for h in tplan.dst if h.gpu == rank and h not in kept)
+        assert held + new <= r.peak_bytes <= held + new + r.bytes_sent + r.bytes_received
     # bucketing: per round at most one data and one checksum message per peer, not one per region
     for r in results:
         assert r.messages <= 2 * 3 * tplan.rounds
