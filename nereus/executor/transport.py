@@ -13,6 +13,9 @@ step count). ``close`` drops pending work.
 
 - ``DistTransport``: torch.distributed ``batch_isend_irecv``; gloo on CPU tensors, NCCL on CUDA
   tensors (the same code path, the device decides). ``GlooTransport``/``NcclTransport`` are names for it.
+  On gloo the receives of an exchange are posted first and the sends stream after them in 8 MB
+  groups; on NCCL an exchange is one batch (one NCCL group), since separate groups would
+  deadlock. The NCCL path is untested here (no GPU).
 - ``MockTransport``: threads in one process sharing a ``MockHub``; used by unit tests.
 """
 from __future__ import annotations
@@ -94,10 +97,18 @@ class Transport(ABC):
         self.messages += len(sends)
         self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
         t0 = time.perf_counter()
+        if not self.streaming:  # one batch (an NCCL group): every checksum first, then post everything
+            if before_send is not None:
+                for peer, buf in sends:
+                    before_send(peer, buf)
+                t0 = time.perf_counter()
+            recv_handles, send_handles = self._post_together(sends, recvs)
+            self.wire_s += time.perf_counter() - t0
+            return Posted(recv_handles, send_handles, sends, recvs, staged)
         recv_handles = self._post_recvs(recvs) if recvs else []
         send_handles = []
         if before_send is None:
-            send_handles = self._post_sends(sends)
+            send_handles = self._post_sends(sends) if sends else []
         else:  # in groups of >= SEND_GROUP_BYTES: the wire starts early, few posting calls
             group: list[tuple[int, torch.Tensor]] = []
             size = 0
@@ -131,6 +142,15 @@ class Transport(ABC):
         t0 = time.perf_counter()
         self._wait(pending.send_handles, timeout_s)
         self.wire_s += time.perf_counter() - t0
+
+    streaming = True
+    """Receives and sends may be posted in separate calls (gloo: each message is independent).
+    False where one exchange must be one batch (NCCL: separate groups would deadlock, each rank's
+    receives waiting on sends queued behind them)."""
+
+    def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
+        """Post receives and sends as one batch: (per-message receive handles, send handles)."""
+        return (self._post_recvs(recvs) if recvs else []), (self._post_sends(sends) if sends else [])
 
     @abstractmethod
     def _post_recvs(self, recvs: list) -> list:
@@ -193,8 +213,21 @@ class DistTransport(Transport):
     """torch.distributed point-to-point; works for gloo (CPU) and NCCL (CUDA) alike."""
 
     def __init__(self, rank: int, group=None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        import torch.distributed as dist
+
         super().__init__(rank, bucket_bytes)
         self.group = group
+        self.streaming = dist.get_backend(group) != "nccl"
+
+    def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
+        works = self._batch(ops)
+        if len(works) == len(ops):
+            return [[w] for w in works[:len(recvs)]], list(works[len(recvs):])
+        return ([list(works)] + [[] for _ in recvs[1:]]) if recvs else [], ([] if recvs else list(works))
 
     def _batch(self, ops: list) -> list:
         try:
@@ -274,9 +307,10 @@ class MockHub:
 class MockTransport(Transport):
     """In-process transport: a send clones into the peer's mailbox; a receive waits on it."""
 
-    def __init__(self, rank: int, hub: MockHub, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, rank: int, hub: MockHub, bucket_bytes: int = BUCKET_BYTES, streaming: bool = True) -> None:
         super().__init__(rank, bucket_bytes)
         self.hub = hub
+        self.streaming = streaming
 
     def _post_sends(self, sends: list) -> list:
         with self.hub._lock:

@@ -145,6 +145,18 @@ def test_transport_buckets_small_and_sends_large_alone():
     assert all(torch.equal(a, b) for a, b in zip(small, dst_small)) and torch.equal(big, dst_big)
 
 
+def test_one_batch_per_exchange_gives_the_same_bits():
+    """The NCCL-style path (receives and sends of an exchange posted as one batch, every checksum
+    first) moves the same bytes as the streaming gloo path."""
+    class OneBatch(MockTransport):
+        def __init__(self, rank, hub):
+            super().__init__(rank, hub, streaming=False)
+
+    tplan, stores, _, results = _apply_threads(make_plan(tp=2, pp=2), make_plan(dp=4, zero=1), 4, transport_cls=OneBatch)
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
+
+
 def test_merged_rounds_give_the_same_bits():
     tplan, stores, _, results = _apply_threads(make_plan(pp=2, dp=2, zero=1), make_plan(tp=2, pp=2), 4,
                                                merge_rounds=True)
