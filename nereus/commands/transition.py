@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("staged via host", "yes" if tp.staged_via_host else "no")
     t.add_row("planning time", f"{tp.plan_s:.2f} s")
     con.print(t)
+    if not st.get("keep_old_fits", True):
+        con.print(f"[yellow]warning:[/] with the old state kept until commit a GPU would hold {keep / GiB:.2f} GiB of "
+                  f"{st['capacity_bytes'] / GiB:.2f} GiB: the executor keeps it for rollback and has no host staging yet")
     write_json(args.json, describe(tp))
     if args.graph:
         _write_graph(res.graph(), args.graph)

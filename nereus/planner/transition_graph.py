@@ -100,6 +100,7 @@ def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, mat
             ("bytes_local_copy", by["local"]), ("bytes_intra_node", by["intra"]), ("bytes_inter_node", by["inter"]),
             ("dst_bytes", pieces.dst_bytes), ("peak_mem_bytes", max(peak.values(), default=0.0)),
             ("peak_mem_bytes_keep_old", _keep_old_peak(problem)),
+            ("keep_old_fits", _keep_old_peak(problem) <= problem.capacity * (1 + 1e-9)),
             ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status),
             *((f"time_{name}_s", round(sec, 4)) for name, sec in _PHASES))
 

@@ -110,6 +110,7 @@ def check(job, a, b, res, cap):
     st = dict(tp.stats)
     assert st["peak_mem_bytes_keep_old"] == pytest.approx(keep_old)
     assert st["peak_mem_bytes_keep_old"] >= st["peak_mem_bytes"] - 1e-6
+    assert st["keep_old_fits"] == (st["peak_mem_bytes_keep_old"] <= st["capacity_bytes"] * (1 + 1e-9))
     assert nx.is_directed_acyclic_graph(res.graph())
     return tp
 

@@ -52,3 +52,16 @@ def test_cli_identity_and_bad_input(tmp_path, capsys):
     rc = main(["transition", *base, "--from", str(tmp_path / "missing.json"), "--to", str(tmp_path / "a.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "plan file not found" in err and "Traceback" not in err
+
+
+def test_cli_warns_when_the_old_state_kept_until_commit_would_not_fit(tmp_path, capsys):
+    """Between the schedule's peak (sources freed after their last read) and the keep-old peak
+    (the executor's rollback), the transition schedules but the CLI says the executor would not fit."""
+    base = _files(tmp_path)
+    # the tiny transition peaks at ~205 KB scheduled and ~268 KB with the old state kept; usable = 240 KB
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"gpu": "h100-80gb", "nodes": 2, "gpus_per_node": 4,
+                                                           "memory_gib": 2 + 240e3 / 2**30}))
+    rc = main(["transition", *base, "--from", str(tmp_path / "a.json"), "--to", str(tmp_path / "b.json"),
+               "--scheduler", "greedy"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "warning" in text and "rollback" in text, text
