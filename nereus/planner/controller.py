@@ -332,6 +332,11 @@ class Controller:
 
             trans = plan_transition(self.job, self.plans.cluster_for(max(self.plan.num_gpus, best.plan.num_gpus)),
                                     self.plan, best.plan)
+            st = dict(trans.stats)
+            if not st.get("keep_old_fits", True):
+                reason += (f"; warning: keeping the old state until commit needs "
+                           f"{st['peak_mem_bytes_keep_old'] / 2**30:.1f} GiB on a GPU of {st['capacity_bytes'] / 2**30:.1f} "
+                           "GiB (the executor has no host staging)")
         d = Decision(action="switch", plan=best.plan, transition=trans, predicted_cost_s=best.cost_s,
                      saving_per_step_s=self._per_step(cur, best), break_even_steps=_break_even(cur, best, self),
                      reason=f"{reason} [{best.origin}]", must=bool(must))

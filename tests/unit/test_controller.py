@@ -138,3 +138,33 @@ def test_audit_log_records_every_decision_with_its_numbers(setup, tmp_path):
         assert {"forecast", "current_step_s", "candidates", "transition_s", "break_even_steps", "decision",
                 "reason"} <= set(r)
         assert r["decision"] in ("stay", "switch") and r["current_step_s"] > 0
+
+
+def test_switch_warns_when_the_transition_would_not_fit_with_the_old_state_kept(setup, monkeypatch):
+    """The controller passes on what the transition planner found: a switch whose old state, kept
+    until commit for rollback, would not fit next to the new one is flagged in the decision."""
+    import dataclasses
+
+    import nereus.planner.transition as T
+
+    real = T.plan_transition
+
+    def tight(*args, **kwargs):  # the real plan, with the keep-old peak reported over capacity
+        tp = real(*args, **kwargs)
+        st = dict(tp.stats)
+        st.update(keep_old_fits=False, peak_mem_bytes_keep_old=1.5 * st["capacity_bytes"])
+        return dataclasses.replace(tp, stats=tuple(st.items()))
+
+    monkeypatch.setattr(T, "plan_transition", tight)
+    job, _, _ = setup
+    cluster = load_cluster(EX + "cluster-h100-4n.yaml")
+    gt = GroundTruth(job, cluster, seed=1)
+    ctl = Controller(job, cluster, initial_gpus=8, transition_cost_fn=lambda a, b: 1.0, horizon=50, time_limit_s=2)
+    w = job.workload()
+    for step in range(6):
+        d = ctl.step(_metrics(step, w, gt.observe(ctl.plan, w, step), gpus=32))
+        if d.action == "switch" and d.transition is not None:
+            assert "keeping the old state until commit" in d.reason and "no host staging" in d.reason
+            break
+    else:
+        pytest.fail("no switch with a transition in 6 steps")
