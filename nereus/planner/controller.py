@@ -334,9 +334,12 @@ class Controller:
                                     self.plan, best.plan)
             st = dict(trans.stats)
             if not st.get("keep_old_fits", True):
-                reason += (f"; warning: keeping the old state until commit needs "
-                           f"{st['peak_mem_bytes_keep_old'] / 2**30:.1f} GiB on a GPU of {st['capacity_bytes'] / 2**30:.1f} "
-                           "GiB (the executor has no host staging)")
+                tight = (f"keeping the old state until commit needs {st['peak_mem_bytes_keep_old'] / 2**30:.1f} GiB on "
+                         f"a GPU of {st['capacity_bytes'] / 2**30:.1f} GiB (the executor has no host staging)")
+                if not must:  # a switch for speed is not worth a transition that cannot keep its rollback state
+                    self._streak = ((), 0)
+                    return self._stay(cur, best, "", f"worth it, but {tight}")
+                reason += f"; warning: {tight}"
         d = Decision(action="switch", plan=best.plan, transition=trans, predicted_cost_s=best.cost_s,
                      saving_per_step_s=self._per_step(cur, best), break_even_steps=_break_even(cur, best, self),
                      reason=f"{reason} [{best.origin}]", must=bool(must))
