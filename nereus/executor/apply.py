@@ -48,7 +48,7 @@ class ApplyReport:
     bytes_copied: int
     messages: int
     regions_verified: int
-    peak_bytes: int = 0
+    peak_bytes: int
     """Bytes this rank held at the transition's high point: the old state (kept until commit),
     the newly allocated regions, and the largest exchange's staging buffers (packed sends,
     staged receives)."""
@@ -108,9 +108,13 @@ class _SourceSums:
         self.sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
         self.memo: dict[tuple, int] = {}
 
+    def made_for_message(self, buf: torch.Tensor) -> bool:
+        """A packed bucket or a contiguous copy, not a view of a source region."""
+        return buf.untyped_storage().data_ptr() not in self.sources
+
     def __call__(self, buf: torch.Tensor) -> int:
-        if buf.untyped_storage().data_ptr() not in self.sources:
-            return checksum(buf)  # a packed bucket or a contiguous copy: made for this message
+        if self.made_for_message(buf):
+            return checksum(buf)
         key = (buf.data_ptr(), buf.numel(), buf.dtype)
         value = self.memo.get(key)
         if value is None:
@@ -142,8 +146,7 @@ def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: 
     posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
-        staging += sum(b.numel() * b.element_size() for _, b in posted.sends
-                       if b.untyped_storage().data_ptr() not in sums.sources)
+        staging += sum(b.numel() * b.element_size() for _, b in posted.sends if sums.made_for_message(b))
         counters["staging_peak"] = max(counters["staging_peak"], staging)
     for op in local:
         new.target(op.region).copy_(store.read(op.region))
@@ -228,18 +231,18 @@ def round_groups(plan: TransitionPlan, staging_bytes: int | None) -> list[tuple[
 @gc_paused()
 def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
                      timeout_s: float = 60.0, fault: FaultSpec | None = None,
-                     staging_bytes: int | None = STAGING_BYTES, merge_rounds: bool = False) -> ApplyReport:
+                     staging_bytes: int | None = STAGING_BYTES) -> ApplyReport:
     """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks.
 
     The planner's rounds run in exchanges of consecutive rounds (``round_groups``): at most
     ``staging_bytes`` sent + received per rank in one exchange (default 256 MiB; ``0`` runs the
-    planner's rounds one by one). ``merge_rounds``: every round in one exchange. Same bytes
-    either way, in (round, op id) order."""
+    planner's rounds one by one, ``None`` all of them in one exchange). Same bytes either way, in
+    (round, op id) order."""
     t0 = time.perf_counter()
     counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0,
                 "staging_peak": 0}
     held_before = store.nbytes()
-    groups = round_groups(plan, None if merge_rounds else staging_bytes)
+    groups = round_groups(plan, staging_bytes)
     group_of = {r: i for i, (lo, hi) in enumerate(groups) for r in range(lo, hi + 1)}
     by_group: dict[int, list[TransferOp]] = defaultdict(list)
     for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):

@@ -42,9 +42,8 @@ def checksum(t: torch.Tensor) -> int:
     """XXH3-64 of the tensor's raw bytes (xxhash), as a non-negative int64.
 
     Equal for bit-identical tensors whatever their strides; a flipped bit, swapped, moved or
-    truncated bytes change it (up to a 2**-63 collision). It runs at memory speed on one core
-    (~17 GB/s here, about 2x the numpy Fletcher sum it replaced and 10x zlib.crc32), with a few
-    microseconds per call: that matters because it runs on both ends of every message.
+    truncated bytes change it (up to a 2**-63 collision). One pass over the bytes and a small
+    per-call cost: that matters because it runs on both ends of every message.
     """
     flat = t.detach().contiguous().view(-1).view(torch.uint8)
     if flat.device.type != "cpu":

@@ -71,9 +71,10 @@ class Transport(ABC):
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
-        submission order. Receives are posted first; then each send, one message at a time,
-        after ``before_send(peer, buf)`` (the caller's checksum: it reads the bytes just before
-        the wire does, so they are read from memory once)."""
+        submission order. ``before_send(peer, buf)`` sees every outgoing message before it is
+        posted (the caller's checksum). Streaming transports (gloo) post the receives first, then
+        the sends in groups of ``SEND_GROUP_BYTES``, each right after its hook ran; the others
+        (NCCL) run every hook, then post the exchange as one batch."""
         sends: list[tuple[int, torch.Tensor]] = []
         recvs: list[tuple[int, torch.Tensor]] = []
         staged: list[list[torch.Tensor] | None] = []

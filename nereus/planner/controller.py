@@ -34,7 +34,7 @@ from nereus.planner.calibration_online import OnlineCalibration
 from nereus.planner.controller_types import Decision, StepMetrics
 from nereus.planner.cost_params import CostParams
 from nereus.planner.forecast import LengthForecaster
-from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.plan import GiB, Plan, StagePlacement
 from nereus.planner.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
 from nereus.planner.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
@@ -334,8 +334,8 @@ class Controller:
                                     self.plan, best.plan)
             st = dict(trans.stats)
             if not st.get("keep_old_fits", True):
-                tight = (f"keeping the old state until commit needs {st['peak_mem_bytes_keep_old'] / 2**30:.1f} GiB on "
-                         f"a GPU of {st['capacity_bytes'] / 2**30:.1f} GiB (the executor has no host staging)")
+                tight = (f"keeping the old state until commit needs {st['peak_mem_bytes_keep_old'] / GiB:.1f} GiB on "
+                         f"a GPU of {st['capacity_bytes'] / GiB:.1f} GiB (the executor has no host staging)")
                 if not must:  # a switch for speed is not worth a transition that cannot keep its rollback state
                     self._streak = ((), 0)
                     return self._stay(cur, best, "", f"worth it, but {tight}")

@@ -92,6 +92,7 @@ def assemble(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, pie
 
 def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, materialized: bool, peak: dict,
            rounds: list[int]) -> tuple:
+    keep_old = _keep_old_peak(problem)
     by = {"local": 0, "intra": 0, "inter": 0}
     for t in range(problem.n):
         s, d = problem.src[t], problem.dst[t]
@@ -99,8 +100,7 @@ def _stats(cluster: ClusterSpec, pieces: Pieces, problem, sched, n_ops: int, mat
     return (("ops", n_ops), ("buckets", problem.n), ("rounds", 1 + max(rounds, default=-1)), ("materialized", materialized),
             ("bytes_local_copy", by["local"]), ("bytes_intra_node", by["intra"]), ("bytes_inter_node", by["inter"]),
             ("dst_bytes", pieces.dst_bytes), ("peak_mem_bytes", max(peak.values(), default=0.0)),
-            ("peak_mem_bytes_keep_old", _keep_old_peak(problem)),
-            ("keep_old_fits", _keep_old_peak(problem) <= problem.capacity * (1 + 1e-9)),
+            ("peak_mem_bytes_keep_old", keep_old), ("keep_old_fits", keep_old <= problem.capacity * (1 + 1e-9)),
             ("capacity_bytes", problem.capacity), ("cpsat_status", sched.status),
             *((f"time_{name}_s", round(sec, 4)) for name, sec in _PHASES))
 

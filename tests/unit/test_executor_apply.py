@@ -65,8 +65,7 @@ class CorruptingTransport(MockTransport):
         return super()._post_sends(sends)
 
 
-def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, merge_rounds=False,
-                   staging_bytes=0):
+def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, staging_bytes=0):
     tplan = plan_transition(JOB, local_cluster(world), a, b, mixed_precision=False, scheduler="greedy")
     hub = MockHub(world)
     stores = [ShardStore() for _ in range(world)]
@@ -79,7 +78,7 @@ def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt
         cls = transport_cls if corrupt_rank in (None, r) else MockTransport
         try:
             results[r] = apply_transition(stores[r], tplan, r, cls(r, hub), timeout_s=5.0, fault=fault,
-                                          merge_rounds=merge_rounds, staging_bytes=staging_bytes)
+                                          staging_bytes=staging_bytes)
         except TransitionError as e:
             results[r] = e
 
@@ -159,7 +158,7 @@ def test_one_batch_per_exchange_gives_the_same_bits():
 
 def test_merged_rounds_give_the_same_bits():
     tplan, stores, _, results = _apply_threads(make_plan(pp=2, dp=2, zero=1), make_plan(tp=2, pp=2), 4,
-                                               merge_rounds=True)
+                                               staging_bytes=None)
     assert tplan.rounds > 1 and all(not isinstance(r, Exception) for r in results), results
     assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
     assert all(dict(r.phases)["exchange_s"] >= 0 for r in results)
