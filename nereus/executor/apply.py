@@ -21,6 +21,7 @@ import torch
 
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
+from nereus.executor.arena import empty_regions
 from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, region_slices
 from nereus.executor.transport import Transport
 from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
@@ -72,6 +73,7 @@ class _NewLayout:
         self.filled: dict[Region, int] = {}
         self.kept = kept
         self.by_key: dict[tuple[str, str, str], list[Region]] = defaultdict(list)
+        fresh = []
         for h in plan.dst:
             if h.gpu != rank:
                 continue
@@ -79,11 +81,14 @@ class _NewLayout:
             if h.region in kept:
                 self.tensors[h.region] = store.get(h.region)
             else:
-                self.tensors[h.region] = torch.empty(h.region.lengths, dtype=TORCH_DTYPES[h.region.dtype],
-                                                     device=store.device)
+                fresh.append(h.region)
                 self.filled[h.region] = 0
+        self.tensors.update(empty_regions(fresh, TORCH_DTYPES, store.device))
 
     def target(self, piece: Region) -> torch.Tensor:
+        if piece in self.filled:  # a whole new region (the common case)
+            self.filled[piece] += piece.numel
+            return self.tensors[piece]
         for r in self.by_key.get(piece.key, ()):
             if r not in self.kept and contains(r, piece):
                 self.filled[r] += piece.numel
@@ -245,8 +250,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     groups = round_groups(plan, staging_bytes)
     group_of = {r: i for i, (lo, hi) in enumerate(groups) for r in range(lo, hi + 1)}
     by_group: dict[int, list[TransferOp]] = defaultdict(list)
-    for op in sorted(plan.ops, key=lambda o: (o.round, o.op_id)):
-        if rank in (op.src_gpu, op.dst_gpu):
+    for op in plan.ops:  # sorted by (round, op id)
+        if op.src_gpu == rank or op.dst_gpu == rank:
             by_group[group_of[op.round]].append(op)
     msgs0, wire0 = transport.messages, transport.wire_s
     reason = ""

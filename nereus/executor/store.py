@@ -6,6 +6,7 @@ region verified. Nothing here touches disk.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable, Iterator
 
 import torch
@@ -45,10 +46,14 @@ def checksum(t: torch.Tensor) -> int:
     truncated bytes change it (up to a 2**-63 collision). One pass over the bytes and a small
     per-call cost: that matters because it runs on both ends of every message.
     """
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    flat = t.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return xxhash.xxh3_64_intdigest(flat.numpy()) & 0x7FFFFFFFFFFFFFFF
+    flat = flat.contiguous()
+    n = flat.numel() * flat.element_size()
+    # the bytes in place, through the buffer protocol (no tensor views, any dtype incl. bf16)
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(flat.data_ptr()) if n else b"") \
+        & 0x7FFFFFFFFFFFFFFF
 
 
 class ShardStore:
@@ -100,6 +105,9 @@ class ShardStore:
                               f"{region.offsets}+{region.lengths}")
 
     def read(self, region: Region) -> torch.Tensor:
+        t = self._data.get(region)
+        if t is not None:  # the whole held region (the common case)
+            return t
         outer, t = self.covering(region)
         return t[region_slices(outer, region)]
 

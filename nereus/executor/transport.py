@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 
 from nereus.errors import TransitionError
+from nereus.executor.arena import scratch
 
 
 BUCKET_BYTES = 1 << 18
@@ -75,24 +76,24 @@ class Transport(ABC):
         posted (the caller's checksum). Streaming transports (gloo) post the receives first, then
         the sends in groups of ``SEND_GROUP_BYTES``, each right after its hook ran; the others
         (NCCL) run every hook, then post the exchange as one batch."""
-        sends: list[tuple[int, torch.Tensor]] = []
-        recvs: list[tuple[int, torch.Tensor]] = []
-        staged: list[list[torch.Tensor] | None] = []
+        # per message: (peer, the tensor itself, or the tensors a staging buffer stands for)
+        out: list[tuple[int, torch.Tensor | list[torch.Tensor]]] = []
+        inc: list[tuple[int, torch.Tensor | list[torch.Tensor]]] = []
         for (peer, _), ts in sorted(self._sends.items(), key=_key):
             small = [t for t in ts if not self._big(t)]
             if small:
-                sends.append((peer, _pack(small)))
-            sends += [(peer, t.contiguous()) for t in ts if self._big(t)]
-        for (peer, dtype), ts in sorted(self._recvs.items(), key=_key):
+                out.append((peer, small))
+            out += [(peer, t if t.is_contiguous() else [t]) for t in ts if self._big(t)]
+        for (peer, _), ts in sorted(self._recvs.items(), key=_key):
             small = [t for t in ts if not self._big(t)]
             if small:
-                recvs.append((peer, torch.empty(sum(t.numel() for t in small), dtype=dtype, device=small[0].device)))
-                staged.append(small)
-            for t in (t for t in ts if self._big(t)):
-                direct = t.is_contiguous()
-                recvs.append((peer, t if direct else torch.empty(t.shape, dtype=dtype, device=t.device)))
-                staged.append(None if direct else [t])
+                inc.append((peer, small))
+            inc += [(peer, t if t.is_contiguous() else [t]) for t in ts if self._big(t)]
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
+        bufs = _staging([m for _, m in out + inc])
+        sends = [(peer, m.view(-1) if isinstance(m, torch.Tensor) else _pack(m, bufs.pop(0))) for peer, m in out]
+        recvs = [(peer, m if isinstance(m, torch.Tensor) else bufs.pop(0)) for peer, m in inc]
+        staged = [None if isinstance(m, torch.Tensor) else m for _, m in inc]
         if not sends and not recvs:
             return None
         self.messages += len(sends)
@@ -196,10 +197,27 @@ def _key(item) -> tuple[int, str]:
     return peer, str(dtype)
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0].contiguous().view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+def _staging(messages: list) -> list[torch.Tensor]:
+    """One flat staging buffer per message that is a list of tensors (a bucket, or one strided
+    tensor), in order; taken from the arena (reused memory), one host buffer per dtype."""
+    need: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = defaultdict(list)
+    for i, m in enumerate(messages):
+        if not isinstance(m, torch.Tensor):
+            need[(m[0].dtype, m[0].device)].append((i, sum(t.numel() for t in m)))
+    got: dict[int, torch.Tensor] = {}
+    for (dtype, device), items in need.items():
+        for (i, _), buf in zip(items, scratch([n for _, n in items], dtype, device)):
+            got[i] = buf
+    return [got[i] for i in sorted(got)]
+
+
+def _pack(tensors: list[torch.Tensor], into: torch.Tensor) -> torch.Tensor:
+    pos = 0
+    for t in tensors:
+        n = t.numel()
+        into[pos:pos + n].view(t.shape).copy_(t)
+        pos += n
+    return into
 
 
 def _unpack(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
@@ -219,6 +237,9 @@ class DistTransport(Transport):
         super().__init__(rank, bucket_bytes)
         self.group = group
         self.streaming = dist.get_backend(group) != "nccl"
+        self._pg = group if group is not None else dist.group.WORLD
+        self._group_rank = {g: (g if group is None else dist.get_group_rank(group, g))
+                            for g in (range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group))}
 
     def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
         import torch.distributed as dist
@@ -236,17 +257,29 @@ class DistTransport(Transport):
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
+    def _direct(self, post, items: list) -> list:
+        """gloo: one send/recv per message straight on the process group (what ``isend`` and
+        ``irecv`` do, without their per-call Python checks); one work per message."""
+        try:
+            return [post([buf], self._group_rank[peer], 0) for peer, buf in items]
+        except RuntimeError as e:
+            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+
     def _post_recvs(self, recvs: list) -> list:
         import torch.distributed as dist
 
+        if self.streaming:
+            return [[w] for w in self._direct(self._pg.recv, recvs)]
         works = self._batch([dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs])
-        if len(works) == len(recvs):  # gloo: one work per message
+        if len(works) == len(recvs):
             return [[w] for w in works]
         return [list(works)] + [[] for _ in recvs[1:]]  # NCCL: one work for the batch
 
     def _post_sends(self, sends: list) -> list:
         import torch.distributed as dist
 
+        if self.streaming:
+            return self._direct(self._pg.send, sends)
         return self._batch([dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends])
 
     def _wait(self, works: list, timeout_s: float) -> None:

@@ -1,0 +1,144 @@
+"""Arenas: the memory a transition allocates, as a few flat host buffers that are reused.
+
+A transition materialises the rank's new regions (and, for a while, staging buffers) in fresh
+memory. On a GPU, PyTorch's caching allocator hands back memory freed by the previous transition
+or step without asking the driver. On the host, large ``torch.empty`` calls go to ``mmap`` and
+every 4 KiB page is faulted in and zeroed on first touch, inside the receive that fills it; on
+this project's 2-core VM that costs more than the transfer itself (see
+``benchmarks/reshard_vs_dcp.py``, ``first_transition_s``). This module is the host's caching
+allocator for transitions:
+
+- ``empty_regions(regions, device)`` carves every region out of one flat buffer per dtype (each
+  region 64-byte aligned, row-major); on CUDA it is plain ``torch.empty`` per region.
+- Host buffers are anonymous mappings advised for 2 MiB transparent huge pages, and are kept
+  after their last tensor dies: the next ``empty_regions``/``scratch`` call reuses a free one of
+  a fitting size (between the request and twice it) instead of faulting in new pages.
+- A buffer counts as free only when no tensor views it any more (its Python reference count is
+  back to the registry's own), so a reused buffer never aliases live data.
+- Free buffers are kept up to ``cache_limit()`` bytes (default 1 GiB, ``set_cache_limit``); the
+  oldest free ones beyond that are unmapped. ``release_cached()`` unmaps every free buffer, like
+  ``torch.cuda.empty_cache``. ``cached_bytes()`` is what is held but unused.
+"""
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+from collections import defaultdict
+
+import torch
+
+from nereus.planner.transition_types import Region
+
+ALIGN = 64
+"""Byte alignment of each region inside an arena."""
+
+HUGE_PAGE = 2 << 20
+
+_lock = threading.Lock()
+_blocks: list[mmap.mmap] = []
+"""Every host buffer handed out and not yet unmapped, oldest first."""
+_limit = [1 << 30]
+
+
+def _free(blocks: list[mmap.mmap], base: int | None = None) -> list[mmap.mmap]:
+    """The buffers of ``blocks`` that nothing but the list references (no tensor views them)."""
+    base = _BASE_REFS if base is None else base
+    return [m for m in blocks if sys.getrefcount(m) <= base]
+
+
+_BASE_REFS = max(sys.getrefcount(m) for m in [mmap.mmap(-1, 1)])
+"""References to a buffer held by a list alone, counted the way ``_free`` counts them (the
+list's entry, the loop variable, ``getrefcount``'s argument)."""
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Most bytes of free buffers kept for reuse (0: unmap a buffer as soon as it is free)."""
+    if nbytes < 0:
+        raise ValueError(f"cache limit must be >= 0 bytes, got {nbytes}")
+    _limit[0] = nbytes
+
+
+def cache_limit() -> int:
+    return _limit[0]
+
+
+def cached_bytes() -> int:
+    """Bytes of host buffers that are kept but hold no live tensor."""
+    with _lock:
+        return sum(len(m) for m in _free(_blocks))
+
+
+def release_cached() -> int:
+    """Unmap every free host buffer; returns the bytes released."""
+    with _lock:
+        return _trim(0)
+
+
+def _trim(limit: int) -> int:
+    free = _free(_blocks)
+    keep = sum(len(m) for m in free)
+    released = 0
+    for m in free:  # oldest first
+        if keep <= limit:
+            break
+        _blocks.remove(m)
+        keep -= len(m)
+        released += len(m)
+        m.close()
+    return released
+
+
+def _take(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` (a reused free buffer when one fits, else a new one)."""
+    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    with _lock:
+        fits = [m for m in _free(_blocks) if size <= len(m) <= 2 * size]
+        if fits:
+            m = min(fits, key=len)
+            _blocks.remove(m)
+        else:
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                m.madvise(mmap.MADV_HUGEPAGE)
+        _blocks.append(m)  # most recently used last: trimmed last
+        t = torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        _trim(_limit[0])
+    return t
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device) -> dict[Region, torch.Tensor]:
+    """Uninitialised tensors for ``regions`` (shape = region lengths, dtype from ``dtypes``)."""
+    if device.type != "cpu":
+        return {r: torch.empty(r.lengths, dtype=dtypes[r.dtype], device=device) for r in regions}
+    by_dtype: dict[str, list[Region]] = defaultdict(list)
+    for r in regions:
+        by_dtype[r.dtype].append(r)
+    out: dict[Region, torch.Tensor] = {}
+    for name, rs in by_dtype.items():
+        dt = dtypes[name]
+        size = torch.empty(0, dtype=dt).element_size()
+        buf = _take(sum(_aligned(r.numel * size) for r in rs))
+        pos = 0
+        for r in rs:
+            n = r.numel * size
+            out[r] = buf[pos:pos + n].view(dt).view(r.lengths)
+            pos += _aligned(n)
+    return out
+
+
+def scratch(numels: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Flat uninitialised buffers of ``numels`` elements each, from one reusable host buffer."""
+    if device.type != "cpu":
+        return [torch.empty(n, dtype=dtype, device=device) for n in numels]
+    size = torch.empty(0, dtype=dtype).element_size()
+    buf = _take(sum(_aligned(n * size) for n in numels))
+    out, pos = [], 0
+    for n in numels:
+        out.append(buf[pos:pos + n * size].view(dtype))
+        pos += _aligned(n * size)
+    return out
