@@ -24,6 +24,7 @@ from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
 from nereus.executor.apply import apply_transition
 from nereus.executor.engine import Engine
+from nereus.executor.layout import stored
 from nereus.executor.memory import MemoryMeter
 from nereus.executor.optim import AdamW
 from nereus.executor.store import ShardStore
@@ -36,9 +37,10 @@ GiB = 1024**3
 def _fill(engine: Engine, full: dict[str, torch.Tensor]) -> None:
     for r in engine.regions:
         if r.kind == "param":
-            engine.store.put(r, full[r.tensor][tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))].clone())
+            engine.store.put(r, stored(DEMO_MODEL, r, full[r.tensor][tuple(slice(o, o + n) for o, n in
+                                                                           zip(r.offsets, r.lengths))]))
         else:  # a fresh optimizer: Adam moments start at zero
-            engine.store.put(r, torch.zeros(r.lengths))
+            engine.store.put(r, stored(DEMO_MODEL, r, torch.zeros(r.lengths)))
     engine.store.step[engine.role] = 0
     engine.rebind(engine.placement)
 

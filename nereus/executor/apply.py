@@ -47,6 +47,9 @@ class ApplyReport:
     bytes_sent: int
     bytes_received: int
     bytes_copied: int
+    bytes_staged: int
+    """Bytes sent or received through a staging buffer on this rank (packed small pieces, and
+    pieces that are not one dense block of memory); the rest moved in place."""
     messages: int
     regions_verified: int
     peak_bytes: int
@@ -83,7 +86,8 @@ class _NewLayout:
             else:
                 fresh.append(h.region)
                 self.filled[h.region] = 0
-        self.tensors.update(empty_regions(fresh, TORCH_DTYPES, store.device))
+        self.tensors.update(empty_regions(fresh, TORCH_DTYPES, store.device,
+                                          {(m, t): d for m, t, d in plan.major}))
 
     def target(self, piece: Region) -> torch.Tensor:
         if piece in self.filled:  # a whole new region (the common case)
@@ -127,35 +131,45 @@ class _SourceSums:
         return value
 
 
-def _run_round(ops: list[TransferOp], store: ShardStore, new: _NewLayout, rank: int, transport: Transport,
-               timeout_s: float, counters: dict, sums: _SourceSums, rnd: str, verify_previous=None):
-    """One round. Receives are posted first (the transport buckets the small pieces; large ones
-    land directly in their destination region), then each outgoing message right after this
-    rank checksummed it; while the bytes move, the local copies and the previous round's
-    comparison run. Every incoming message is checksummed as it arrives (bytes still in cache),
-    then one small checksum message per peer. Returns the comparison of this round's received
-    messages with their senders' checksums (run by the next round, or after the last)."""
+def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int]) -> torch.Tensor:
+    """The piece as it travels: its storage dim moved first (``TransitionPlan.major``), so a
+    piece cut along that dim of a tensor stored that way is one dense block, sent and received
+    in place; anything else is packed/staged by the transport in this same element order."""
+    d = major.get((region.model, region.tensor), 0)
+    return view if d == 0 else view.movedim(d, 0)
+
+
+def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Transport, timeout_s: float,
+               counters: dict, sums: _SourceSums, rnd: str, verify_previous=None):
+    """One exchange of prepared items (``_prepare``). Receives are posted first (the transport
+    buckets the small pieces; large ones land directly in their destination region), then each
+    outgoing message right after this rank checksummed it; while the bytes move, the local
+    copies and the previous exchange's comparison run. Every incoming message is checksummed as
+    it arrives (bytes still in cache), then one small checksum message per peer. Returns the
+    comparison of this exchange's received messages with their senders' checksums (run by the
+    next exchange, or after the last)."""
     t0 = time.perf_counter()
     incoming = 0
-    local: list[TransferOp] = []
-    for op in ops:
-        if op.src_gpu == rank and op.dst_gpu == rank:
-            local.append(op)
-        elif op.src_gpu == rank:
-            transport.submit_send(op.dst_gpu, store.read(op.region))
-            counters["sent"] += op.region.nbytes
-        elif op.dst_gpu == rank:
-            transport.submit_recv(op.src_gpu, new.target(op.region))
-            incoming += op.region.nbytes
+    local: list[tuple] = []
+    for what, peer, view, nbytes in items:
+        if what == "send":
+            transport.submit_send(peer, view)
+            counters["sent"] += nbytes
+        elif what == "recv":
+            transport.submit_recv(peer, view)
+            incoming += nbytes
+        else:
+            local.append((peer, view, nbytes))
     sums_out: dict[int, list[int]] = defaultdict(list)
     posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
         staging += sum(b.numel() * b.element_size() for _, b in posted.sends if sums.made_for_message(b))
         counters["staging_peak"] = max(counters["staging_peak"], staging)
-    for op in local:
-        new.target(op.region).copy_(store.read(op.region))
-        counters["copied"] += op.region.nbytes
+        counters["staged"] += staging
+    for source, target, nbytes in local:
+        target.copy_(source)
+        counters["copied"] += nbytes
     if verify_previous is not None:
         verify_previous()
     t1 = time.perf_counter()
@@ -198,38 +212,59 @@ def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
 
 
 STAGING_BYTES = 256 << 20
-"""Default bound on the bytes one rank sends plus receives in one exchange (see ``round_groups``)."""
+"""Default bound on one rank's staging buffers in one exchange (see ``round_groups``)."""
 
 
-def round_groups(plan: TransitionPlan, staging_bytes: int | None) -> list[tuple[int, int]]:
+def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int, bucket_bytes: int):
+    """This rank's part of the plan: per round, ("send", peer, wire view, bytes), ("recv", peer,
+    wire view, bytes) and ("copy", source view, target view, bytes) items in op-id order, and
+    the bytes per round that go through a staging buffer here (pieces below ``bucket_bytes``,
+    packed per peer, and pieces that are not one dense block in storage order)."""
+    major = {(m, t): d for m, t, d in plan.major}
+    items: dict[int, list[tuple]] = defaultdict(list)
+    staged = [0] * plan.rounds
+    for op in plan.ops:  # sorted by (round, op id)
+        if op.src_gpu != rank and op.dst_gpu != rank:
+            continue
+        n = op.region.nbytes
+        if op.src_gpu == op.dst_gpu:
+            items[op.round].append(("copy", store.read(op.region), new.target(op.region), n))
+            continue
+        if op.src_gpu == rank:
+            what, peer, view = "send", op.dst_gpu, _wire(store.read(op.region), op.region, major)
+        else:
+            what, peer, view = "recv", op.src_gpu, _wire(new.target(op.region), op.region, major)
+        items[op.round].append((what, peer, view, n))
+        if n < bucket_bytes or not view.is_contiguous():
+            staged[op.round] += n
+    return items, staged
+
+
+def round_groups(staged: list[int], staging_bytes: int | None) -> list[tuple[int, int]]:
     """Consecutive planner rounds merged into exchanges, the same on every rank.
 
-    This executor keeps the old shards until commit and allocates every new region up front, so
-    its peak memory is old + new whatever the rounds; what a round bounds here is the transient
-    buffers (packed buckets, staging for strided targets), at most the bytes a rank sends and
-    receives in it. Rounds are merged while, on every rank, sent + received bytes of the merged
-    exchange stay within ``staging_bytes`` (a single round is never split). Fewer exchanges mean
-    fewer waits on the slowest rank. ``None``: one exchange; ``0``: the planner's rounds."""
-    if plan.rounds == 0:
+    ``staged[r]``: the most bytes any rank stages in round r (packed small pieces, pieces that
+    are not one dense block; ``_prepare`` on every rank, then a max over ranks). This executor
+    keeps the old shards until commit and allocates every new region up front, so its peak
+    memory is old + new whatever the rounds; what an exchange adds is its staging buffers.
+    Rounds are merged while the staged bytes of the merged exchange stay within
+    ``staging_bytes`` (a single round is never split). Fewer exchanges mean fewer waits on the
+    slowest rank. ``None``: one exchange; ``0``: the planner's rounds."""
+    rounds = len(staged)
+    if rounds == 0:
         return []
     if staging_bytes is None:
-        return [(0, plan.rounds - 1)]
+        return [(0, rounds - 1)]
     if staging_bytes <= 0:
-        return [(r, r) for r in range(plan.rounds)]
-    per: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for op in plan.ops:
-        if not op.is_copy:
-            per[op.round][op.dst_gpu] += op.region.nbytes
-            per[op.round][op.src_gpu] += op.region.nbytes
+        return [(r, r) for r in range(rounds)]
     groups: list[tuple[int, int]] = []
-    lo, acc = 0, defaultdict(int)
-    for r in range(plan.rounds):
-        if r > lo and any(acc[g] + per[r].get(g, 0) > staging_bytes for g in set(acc) | set(per[r])):
+    lo, acc = 0, 0
+    for r in range(rounds):
+        if r > lo and acc + staged[r] > staging_bytes:
             groups.append((lo, r - 1))
-            lo, acc = r, defaultdict(int)
-        for g, b in per[r].items():
-            acc[g] += b
-    groups.append((lo, plan.rounds - 1))
+            lo, acc = r, 0
+        acc += staged[r]
+    groups.append((lo, rounds - 1))
     return groups
 
 
@@ -245,33 +280,40 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     (round, op id) order."""
     t0 = time.perf_counter()
     counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0,
-                "staging_peak": 0}
+                "staging_peak": 0, "staged": 0}
     held_before = store.nbytes()
-    groups = round_groups(plan, staging_bytes)
-    group_of = {r: i for i, (lo, hi) in enumerate(groups) for r in range(lo, hi + 1)}
-    by_group: dict[int, list[TransferOp]] = defaultdict(list)
-    for op in plan.ops:  # sorted by (round, op id)
-        if op.src_gpu == rank or op.dst_gpu == rank:
-            by_group[group_of[op.round]].append(op)
     msgs0, wire0 = transport.messages, transport.wire_s
-    reason = ""
+    ok, reason = True, ""
     new: _NewLayout | None = None
+    groups: list[tuple[int, int]] = []
+    staged = [0] * plan.rounds
     try:
         new = _NewLayout(store, plan, rank)
+        items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes)
         counters["allocate_s"] = time.perf_counter() - t0
-        verify = None
-        sums = _SourceSums(store)
-        for gi, (lo, hi) in enumerate(groups):
-            for rnd in range(lo, hi + 1):
-                _inject(fault, rank, rnd)
-            verify = _run_round(by_group.get(gi, []), store, new, rank, transport, timeout_s, counters, sums,
-                                f"{lo}" if lo == hi else f"{lo}-{hi}", verify)
-        if verify is not None:
-            verify()
-        new.check_complete(rank)
-        ok = True
-    except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
+    except Exception as e:  # noqa: BLE001 - roll back, with the reason
         ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
+    try:  # every rank, also one that failed to prepare: the largest staging per round, and any failure
+        spread = transport.max_ints([int(not ok)] + staged, timeout_s)
+        if ok and spread[0]:
+            ok, reason = False, "another rank failed to prepare the transition"
+    except TransitionError as e:
+        ok, reason = False, reason or str(e)
+    if ok:
+        try:
+            groups = round_groups(spread[1:], staging_bytes)
+            verify = None
+            sums = _SourceSums(store)
+            for lo, hi in groups:
+                for rnd in range(lo, hi + 1):
+                    _inject(fault, rank, rnd)
+                verify = _run_round([it for rnd in range(lo, hi + 1) for it in items.get(rnd, ())], store, rank,
+                                    transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify)
+            if verify is not None:
+                verify()
+            new.check_complete(rank)
+        except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
+            ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
     transport.close()
     t_vote = time.perf_counter()
     try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out
@@ -290,6 +332,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),
                ("wire_s", round(transport.wire_s - wire0, 6)))
     return ApplyReport(rank=rank, rounds=plan.rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
-                       bytes_copied=counters["copied"], messages=transport.messages - msgs0,
+                       bytes_copied=counters["copied"], bytes_staged=counters["staged"],
+                       messages=transport.messages - msgs0,
                        regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases,
                        peak_bytes=held_before + new.allocated_bytes() + counters["staging_peak"])

@@ -111,10 +111,22 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device) -> dict[Region, torch.Tensor]:
-    """Uninitialised tensors for ``regions`` (shape = region lengths, dtype from ``dtypes``)."""
+def _in_order(flat: torch.Tensor, lengths: tuple[int, ...], dim: int) -> torch.Tensor:
+    """``flat`` as a tensor of shape ``lengths`` whose memory has ``dim`` outermost."""
+    if dim == 0:
+        return flat.view(lengths)
+    moved = (lengths[dim],) + lengths[:dim] + lengths[dim + 1:]
+    return flat.view(moved).movedim(0, dim)
+
+
+def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device,
+                  major: dict[tuple[str, str], int] | None = None) -> dict[Region, torch.Tensor]:
+    """Uninitialised tensors for ``regions`` (shape = region lengths, dtype from ``dtypes``),
+    each dense with the dim ``major[(model, tensor)]`` (default 0) outermost in memory."""
+    major = major or {}
     if device.type != "cpu":
-        return {r: torch.empty(r.lengths, dtype=dtypes[r.dtype], device=device) for r in regions}
+        return {r: _in_order(torch.empty(r.numel, dtype=dtypes[r.dtype], device=device), r.lengths,
+                             major.get((r.model, r.tensor), 0)) for r in regions}
     by_dtype: dict[str, list[Region]] = defaultdict(list)
     for r in regions:
         by_dtype[r.dtype].append(r)
@@ -126,7 +138,7 @@ def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device)
         pos = 0
         for r in rs:
             n = r.numel * size
-            out[r] = buf[pos:pos + n].view(dt).view(r.lengths)
+            out[r] = _in_order(buf[pos:pos + n].view(dt), r.lengths, major.get((r.model, r.tensor), 0))
             pos += _aligned(n)
     return out
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from nereus.errors import SpecError
 from nereus.executor import model as M
 from nereus.executor.apply import ApplyReport, FaultSpec, apply_transition
-from nereus.executor.layout import OPT_KINDS, rank_regions
+from nereus.executor.layout import OPT_KINDS, rank_regions, stored
 from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
 from nereus.executor.parallel import PlacementGroups, all_reduce
@@ -83,8 +83,8 @@ class Engine:
         for r in self.regions:
             src = full.get((r.tensor, r.kind))
             t = torch.zeros(r.lengths) if src is None else src[tuple(slice(o, o + n) for o, n in
-                                                                    zip(r.offsets, r.lengths))].clone()
-            self.store.put(r, t.to(self.store.device))
+                                                                    zip(r.offsets, r.lengths))]
+            self.store.put(r, stored(self.model, r, t.to(self.store.device)))
         self.store.step[self.role] = 0
         self._bind(self.placement)
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.models.inventory import TensorInfo, split_range, stage_tensors, tp_shard
+import torch
+
+from nereus.models.inventory import TensorInfo, split_range, stage_tensors, storage_dims, tp_shard
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import StagePlacement
 from nereus.planner.transition_types import Region
@@ -77,3 +79,14 @@ def rank_regions(model: ModelSpec, placement: StagePlacement, gpu: int, role: st
             if r is not None:
                 out.append(r)
     return tuple(out)
+
+
+def in_storage_order(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t``'s values in a fresh dense tensor whose memory has ``dim`` outermost (the storage
+    convention of ``nereus.models.inventory.storage_dims``); ``dim`` 0 is a plain contiguous copy."""
+    return t.movedim(dim, 0).clone(memory_format=torch.contiguous_format).movedim(0, dim)
+
+
+def stored(model: ModelSpec, r: Region, t: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of ``t`` (the values of region ``r``) laid out as the store keeps it."""
+    return in_storage_order(t, storage_dims(model).get(r.tensor, 0))

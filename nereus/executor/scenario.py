@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from nereus.executor import model as M
-from nereus.executor.layout import OPT_KINDS, rank_regions
+from nereus.executor.layout import OPT_KINDS, rank_regions, stored
 from nereus.executor.store import ShardStore
 from nereus.models.inventory import tensor_inventory
 from nereus.models.spec import ModelSpec
@@ -77,14 +77,14 @@ def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int
         full = M.init_full(model, seed + ROLE_SEED[role], kinds)
         for r in regions:
             src = full.get((r.tensor, r.kind))
-            store.put(r, torch.zeros(r.lengths) if src is None else _slice(src, r).clone())
+            store.put(r, stored(model, r, torch.zeros(r.lengths) if src is None else _slice(src, r)))
         store.step[role] = 0
 
 
 def mismatches(store: ShardStore, job: JobSpec, seed: int) -> list[str]:
     """Regions whose bits differ from the never-resharded reference."""
     return [f"{r.model}:{r.tensor}/{r.kind}@{r.offsets}" for r, t in store.items()
-            if not torch.equal(t.view(-1).view(torch.int32), reference(job.model(r.model), seed, r).reshape(-1)
+            if not torch.equal(t.reshape(-1).view(torch.int32), reference(job.model(r.model), seed, r).reshape(-1)
                                .view(torch.int32))]
 
 

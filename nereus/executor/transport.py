@@ -172,6 +172,10 @@ class Transport(ABC):
     @abstractmethod
     def max_int(self, value: int, timeout_s: float) -> int: ...
 
+    @abstractmethod
+    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
+        """Element-wise maximum over ranks (every rank passes a list of the same length)."""
+
     def close(self) -> None:
         self._sends.clear()
         self._recvs.clear()
@@ -290,19 +294,19 @@ class DistTransport(Transport):
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
-    def _all_reduce(self, value: int, op, timeout_s: float) -> int:
+    def _all_reduce(self, value: int | list[int], op, timeout_s: float) -> int | list[int]:
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             t = t.cuda()
         try:
             w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
             if not w.wait(timedelta(seconds=timeout_s)):
-                raise TransitionError(f"rank {self.rank}: commit vote timed out after {timeout_s:g} s")
+                raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s")
         except RuntimeError as e:
-            raise TransitionError(f"rank {self.rank}: commit vote failed: {str(e).splitlines()[0]}") from e
-        return int(t.item())
+            raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) failed: {str(e).splitlines()[0]}") from e
+        return t.tolist() if isinstance(value, list) else int(t.item())
 
     def agree(self, ok: bool, timeout_s: float) -> bool:
         import torch.distributed as dist
@@ -313,6 +317,11 @@ class DistTransport(Transport):
         import torch.distributed as dist
 
         return self._all_reduce(value, dist.ReduceOp.MAX, timeout_s)
+
+    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
+        import torch.distributed as dist
+
+        return self._all_reduce(list(values), dist.ReduceOp.MAX, timeout_s)
 
 
 def dist_batch(ops: list) -> list:
@@ -364,7 +373,7 @@ class MockTransport(Transport):
             if got.numel() != buf.numel():
                 raise TransitionError(f"rank {self.rank}: message from {peer} has {got.numel()} elements, expected "
                                       f"{buf.numel()}")
-            buf.copy_(got)
+            buf.view(-1).copy_(got.view(-1))
 
     def _reduce(self, value: int, fn, timeout_s: float) -> int:
         hub = self.hub
@@ -377,10 +386,13 @@ class MockTransport(Transport):
             hub._barrier.wait(timeout=timeout_s)
             return hub._result[0]
         except threading.BrokenBarrierError:
-            raise TransitionError(f"rank {self.rank}: commit vote timed out after {timeout_s:g} s") from None
+            raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s") from None
 
     def agree(self, ok: bool, timeout_s: float) -> bool:
         return self._reduce(int(ok), min, timeout_s) == 1
 
     def max_int(self, value: int, timeout_s: float) -> int:
         return self._reduce(value, max, timeout_s)
+
+    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
+        return self._reduce(list(values), lambda vs: [max(col) for col in zip(*vs)], timeout_s)

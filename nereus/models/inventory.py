@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, Mapping
 
 from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec
@@ -132,3 +133,16 @@ def stage_tensors(model: ModelSpec, pp: int, stage: int, head: Literal["lm", "va
         elif t.part == "head" and stage == pp - 1:
             out.append(t)
     return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def storage_dims(model: ModelSpec) -> Mapping[str, int]:
+    """Tensors whose shards are stored with a dim other than 0 outermost in memory: name -> dim.
+
+    The convention shared by the planner (it writes it into every TransitionPlan) and the
+    executor (it allocates and sends by it): a tensor is stored with its TP split dim outermost,
+    so that any TP shard, and any piece of one cut along that dim, is one dense block of memory;
+    resharding then moves bytes without packing or staging copies. Only row-parallel weights
+    (split on dim 1) differ from plain row-major; their ``.t()`` is a contiguous matrix.
+    """
+    return MappingProxyType({t.name: t.tp_dim for t in tensor_inventory(model) if t.tp_dim})

@@ -97,9 +97,11 @@ class ScheduleProblem:
 
 
 def _split_long_moves(pieces, bw, parts: int) -> None:
-    """Split any move longer than 1/(2 parts) of the busiest GPU's load into row ranges (dim 0):
-    a destination region may be assembled from several pieces, and short pieces let the
-    schedule keep every link busy (a 2 GiB embedding shard would otherwise block a sender)."""
+    """Split any move longer than 1/(2 parts) of the busiest GPU's load into ranges along the
+    tensor's storage dim (``Template.major``; dim 0 but for row-parallel weights), so every
+    piece is still one dense block of memory at both ends: a destination region may be
+    assembled from several pieces, and short pieces let the schedule keep every link busy (a
+    2 GiB embedding shard would otherwise block a sender)."""
     if parts <= 1 or not pieces.moves:
         return
     G = 1 + max(max(m[5], m[1]) for m in pieces.moves)
@@ -116,15 +118,16 @@ def _split_long_moves(pieces, bw, parts: int) -> None:
         return
     out = []
     for m, sec in zip(pieces.moves, secs):
-        if sec <= target or m[2][1][0] <= 1:
+        d = pieces.templates[m[0]].major
+        if sec <= target or m[2][1][d] <= 1:
             out.append(m)
             continue
         off, ln = m[2]
-        k = min(ln[0], int(sec // target) + 1)
+        k = min(ln[d], int(sec // target) + 1)
         for j in range(k):
-            lo, hi = j * ln[0] // k, (j + 1) * ln[0] // k
-            sub = ((off[0] + lo,) + off[1:], (hi - lo,) + ln[1:])
-            out.append([m[0], m[1], sub, m[3], m[4], m[5], m[6] * (hi - lo) // ln[0]])
+            lo, hi = j * ln[d] // k, (j + 1) * ln[d] // k
+            sub = (off[:d] + (off[d] + lo,) + off[d + 1:], ln[:d] + (hi - lo,) + ln[d + 1:])
+            out.append([m[0], m[1], sub, m[3], m[4], m[5], m[6] * (hi - lo) // ln[d]])
     pieces.moves[:] = out
 
 

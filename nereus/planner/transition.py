@@ -44,6 +44,9 @@ class Template:
     tensors: tuple[str, ...]
     kinds: tuple[str, ...]
     dtype: str
+    major: int = 0
+    """The dim stored outermost (``storage_dims``): long moves are cut along it, so each piece
+    stays one dense block of memory at both ends."""
 
     @property
     def mult(self) -> int:
@@ -162,7 +165,7 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
         for kinds, dtype in _kind_groups(role, mixed_precision, include_optimizer):
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
-                out.templates.append(Template(role, names, kinds, dtype))
+                out.templates.append(Template(role, names, kinds, dtype, t.tp_dim or 0))
                 cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
                              (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
                 _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa, intern), _holder_map(job, role, t, kinds[0], pb),

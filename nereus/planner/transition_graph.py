@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus.errors import TransitionError
+from nereus.models.inventory import storage_dims
 from nereus.planner.plan import Plan
 from nereus.planner.regions import volume
 from nereus.planner.specs import ClusterSpec, JobSpec
@@ -86,7 +87,9 @@ def assemble(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, pie
     tp = TransitionPlan(src=src, dst=dst, kept=kept, ops=ops, bytes_moved=sum(problem.nbytes), bytes_kept=pieces.bytes_kept,
                         makespan_s=sched.makespan_s, lower_bound_s=problem.lower_bound_s, peak_mem_frac=peak_frac,
                         scheduler=sched.scheduler, staged_via_host=bool(sched.staged),
-                        plan_s=time.perf_counter() - t0, stats=stats)
+                        plan_s=time.perf_counter() - t0, stats=stats,
+                        major=tuple(sorted((role, name, d) for role in job.roles
+                                           for name, d in storage_dims(job.model(role)).items())))
     return TransitionResult(tp, pieces, problem, sched, rounds)
 
 

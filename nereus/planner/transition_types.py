@@ -104,6 +104,11 @@ class TransitionPlan:
     staged_via_host: bool = False
     plan_s: float = 0.0
     stats: tuple[tuple[str, Any], ...] = field(default=())
+    major: tuple[tuple[str, str, int], ...] = ()
+    """(model, tensor, dim) for tensors stored with ``dim`` outermost in memory (their TP split
+    dim; ``nereus.models.inventory.storage_dims``); every other tensor is row-major. A piece
+    travels as the bytes of its view with that dim moved first, in row-major order, so both
+    ends agree on the byte order whatever their own memory layout."""
 
     @property
     def rounds(self) -> int:
