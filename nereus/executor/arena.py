@@ -5,14 +5,16 @@ memory. On a GPU, PyTorch's caching allocator hands back memory freed by the pre
 or step without asking the driver. On the host, large ``torch.empty`` calls go to ``mmap`` and
 every 4 KiB page is faulted in and zeroed on first touch, inside the receive that fills it; on
 this project's 2-core VM that costs more than the transfer itself (see
-``benchmarks/reshard_vs_dcp.py``, ``first_transition_s``). This module is the host's caching
+``benchmarks/reshard_vs_dcp.py``, ``nereus_first_s``). This module is the host's caching
 allocator for transitions:
 
-- ``empty_regions(regions, device)`` carves every region out of one flat buffer per dtype (each
-  region 64-byte aligned, row-major); on CUDA it is plain ``torch.empty`` per region.
-- Host buffers are anonymous mappings advised for 2 MiB transparent huge pages, and are kept
-  after their last tensor dies: the next ``empty_regions``/``scratch`` call reuses a free one of
-  a fitting size (between the request and twice it) instead of faulting in new pages.
+- ``empty_regions(regions, dtypes, device, major)`` carves every region out of one flat buffer
+  per dtype (each region 64-byte aligned, dense, in storage order); on CUDA it is plain
+  ``torch.empty`` per region.
+- Host buffers are anonymous mappings (2 MiB multiples; transparent huge pages on request,
+  ``use_huge_pages``), kept after their last tensor dies: the next ``empty_regions`` or
+  ``scratch`` call reuses a free one of a fitting size (between the request and twice it)
+  instead of faulting in new pages.
 - A buffer counts as free only when no tensor views it any more (its Python reference count is
   back to the registry's own), so a reused buffer never aliases live data.
 - Free buffers are kept up to ``cache_limit()`` bytes (default 1 GiB, ``set_cache_limit``); the
@@ -39,6 +41,7 @@ _lock = threading.Lock()
 _blocks: list[mmap.mmap] = []
 """Every host buffer handed out and not yet unmapped, oldest first."""
 _limit = [1 << 30]
+_huge = [False]
 
 
 def _free(blocks: list[mmap.mmap], base: int | None = None) -> list[mmap.mmap]:
@@ -50,6 +53,13 @@ def _free(blocks: list[mmap.mmap], base: int | None = None) -> list[mmap.mmap]:
 _BASE_REFS = max(sys.getrefcount(m) for m in [mmap.mmap(-1, 1)])
 """References to a buffer held by a list alone, counted the way ``_free`` counts them (the
 list's entry, the loop variable, ``getrefcount``'s argument)."""
+
+
+def use_huge_pages(on: bool) -> None:
+    """Advise new host buffers for transparent huge pages (off by default). On this project's VM
+    they make a reused arena faster but the first touch of a new one about 3x slower (the kernel
+    compacts memory on the fault), and a job pays that first touch on its first transition."""
+    _huge[0] = bool(on)
 
 
 def set_cache_limit(nbytes: int) -> None:
@@ -99,7 +109,7 @@ def _take(nbytes: int) -> torch.Tensor:
             _blocks.remove(m)
         else:
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
+            if _huge[0] and hasattr(mmap, "MADV_HUGEPAGE"):
                 m.madvise(mmap.MADV_HUGEPAGE)
         _blocks.append(m)  # most recently used last: trimmed last
         t = torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
