@@ -1,13 +1,17 @@
 """Apply a TransitionPlan on one rank: rounds, per-message checksums, then commit or roll back.
 
 Call order (every rank of the world calls ``apply_transition`` with the same plan):
-1. allocate the rank's new regions (kept regions are reused as they are, never copied);
-2. for each exchange (consecutive planner rounds, merged up to ``staging_bytes`` per rank), in
-   (round, op id) order: bucketed sends/receives through the transport, then local copies;
-   every message a rank receives (a bucket of small pieces, or one large piece in its
-   destination region) is checked against the checksum its sender computed over the same bytes;
-3. check every new region was written exactly once, element for element;
-4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
+1. allocate the rank's new regions from the arena, in storage order (kept regions are reused as
+   they are, never copied), and build this rank's view of every piece it sends or receives, as
+   it travels (``TransitionPlan.major``);
+2. one max-reduce over ranks: the bytes each round stages on the busiest rank, and whether any
+   rank failed to prepare (then every rank rolls back before a byte moves);
+3. for each exchange (consecutive planner rounds, merged while staging stays within
+   ``staging_bytes``), in (round, op id) order: sends/receives through the transport (small
+   pieces bucketed, dense ones in place), then local copies; every message a rank receives is
+   checked against the checksum its sender computed over the same bytes;
+4. check every new region was written exactly once, element for element;
+5. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
    "no" vote leaves the store untouched (rollback) and raises TransitionError.
 """
@@ -190,10 +194,11 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     def verify() -> None:
         t2 = time.perf_counter()
         seen: dict[int, int] = defaultdict(int)
+        expected = {peer: t.tolist() for peer, t in sums_in.items()}
         for i, (peer, buf) in enumerate(recvs):
             k = seen[peer]
             seen[peer] += 1
-            if got[i] != int(sums_in[peer][k]):
+            if got[i] != expected[peer][k]:
                 raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}, message {k + 1} of "
                                       f"{len(sums_in[peer])} from rank {peer} ({buf.numel() * buf.element_size()} bytes)")
         counters["received"] += incoming
@@ -275,7 +280,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     """Turn this rank's store from plan A's holdings into plan B's; atomic across ranks.
 
     The planner's rounds run in exchanges of consecutive rounds (``round_groups``): at most
-    ``staging_bytes`` sent + received per rank in one exchange (default 256 MiB; ``0`` runs the
+    ``staging_bytes`` staged on any rank in one exchange (default 256 MiB; ``0`` runs the
     planner's rounds one by one, ``None`` all of them in one exchange). Same bytes either way, in
     (round, op id) order."""
     t0 = time.perf_counter()

@@ -11,11 +11,12 @@ messages. Both sides submit in op-id order, so the buckets line up without any h
 ``agree(ok)`` is the commit vote (all ranks ok -> True) and ``max_int`` spreads a scalar (the Adam
 step count). ``close`` drops pending work.
 
-- ``DistTransport``: torch.distributed ``batch_isend_irecv``; gloo on CPU tensors, NCCL on CUDA
-  tensors (the same code path, the device decides). ``GlooTransport``/``NcclTransport`` are names for it.
-  On gloo the receives of an exchange are posted first and the sends stream after them in 8 MB
-  groups; on NCCL an exchange is one batch (one NCCL group), since separate groups would
-  deadlock. The NCCL path is untested here (no GPU).
+- ``DistTransport``: torch.distributed point-to-point; gloo on CPU tensors, NCCL on CUDA
+  tensors (the device decides). ``GlooTransport``/``NcclTransport`` are names for it.
+  On gloo each message is posted straight on the process group (what ``isend``/``irecv`` do,
+  without their per-call checks), the receives of an exchange first and the sends streaming
+  after them in 8 MB groups; on NCCL an exchange is one ``batch_isend_irecv`` (one NCCL group),
+  since separate groups would deadlock. The NCCL path is untested here (no GPU).
 - ``MockTransport``: threads in one process sharing a ``MockHub``; used by unit tests.
 """
 from __future__ import annotations
@@ -287,9 +288,10 @@ class DistTransport(Transport):
         return self._batch([dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends])
 
     def _wait(self, works: list, timeout_s: float) -> None:
+        limit = timedelta(seconds=timeout_s)
         try:
             for w in works:
-                if not w.wait(timedelta(seconds=timeout_s)):
+                if not w.wait(limit):
                     raise TransitionError(f"rank {self.rank}: a peer did not answer within {timeout_s:g} s")
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e

@@ -1,6 +1,7 @@
 """Executor pieces without torch.distributed: checksums, region slicing, layout vs the planner's
 holdings, and whole transitions applied by threads over the mock transport."""
 import threading
+import time
 
 from dataclasses import replace
 
@@ -117,6 +118,43 @@ def test_mock_fault_rolls_back_every_rank():
     assert all(isinstance(r, TransitionError) for r in results)
     assert "injected fault" in str(results[1]) and "rolled back" in str(results[0])
     assert [s.checksums() for s in stores] == before
+
+
+def test_a_rank_that_cannot_prepare_stops_every_rank_before_any_byte_moves():
+    """Rank 1 lacks a region it must send: it fails while preparing, says so in the max-reduce
+    that every rank runs before the exchange, and all ranks roll back at once (no timeout)."""
+    a, b = make_plan(tp=2), make_plan(dp=2)
+    tplan = plan_transition(JOB, local_cluster(2), a, b, mixed_precision=False, scheduler="greedy")
+    hub = MockHub(2)
+    stores = [ShardStore() for _ in range(2)]
+    for r, st in enumerate(stores):
+        init_store(st, JOB, a, r, seed=0)
+    sent = next(op.region for op in tplan.ops if op.src_gpu == 1 and op.dst_gpu == 0)
+    held = stores[1].covering(sent)[0]
+    stores[1].replace((r, t) for r, t in stores[1].items() if r != held)
+    before = [st.checksums() for st in stores]
+    results: list = [None, None]
+    sent_by = [None, None]
+
+    def run(r):
+        tx = MockTransport(r, hub)
+        try:
+            apply_transition(stores[r], tplan, r, tx, timeout_s=30.0)
+        except TransitionError as e:
+            results[r] = e
+        sent_by[r] = tx.bytes_sent
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert time.perf_counter() - t0 < 10  # far below the 30 s timeout
+    assert all(isinstance(r, TransitionError) for r in results), results
+    assert "holds nothing covering" in str(results[1]) and "failed to prepare" in str(results[0])
+    assert sent_by == [0, 0]
+    assert [st.checksums() for st in stores] == before
 
 
 def test_corrupted_bytes_are_caught_and_rolled_back():
