@@ -17,6 +17,7 @@ Call order (every rank of the world calls ``apply_transition`` with the same pla
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
-from nereus.executor.arena import empty_regions
+from nereus.executor.arena import empty_regions, mostly_dead, trim_cache
 from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, region_slices
 from nereus.executor.transport import Transport
 from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
@@ -90,8 +91,15 @@ class _NewLayout:
             else:
                 fresh.append(h.region)
                 self.filled[h.region] = 0
-        self.tensors.update(empty_regions(fresh, TORCH_DTYPES, store.device,
+        # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
+        # commit, the region moves to the new arena (a local copy) so the buffer can be freed
+        held = sorted(r for r in kept if r in self.tensors)
+        self.relocated = [r for r, move in zip(held, mostly_dead([self.tensors[r] for r in held])) if move]
+        self.tensors.update(empty_regions(fresh + self.relocated, TORCH_DTYPES, store.device,
                                           {(m, t): d for m, t, d in plan.major}))
+        for r in self.relocated:
+            self.tensors[r].copy_(store.get(r))
+        self.relocated_bytes = sum(r.nbytes for r in self.relocated)
 
     def target(self, piece: Region) -> torch.Tensor:
         if piece in self.filled:  # a whole new region (the common case)
@@ -105,12 +113,16 @@ class _NewLayout:
                               "no destination region of this rank")
 
     def allocated_bytes(self) -> int:
-        return sum(self.tensors[r].numel() * self.tensors[r].element_size() for r in self.filled)
+        return sum(self.tensors[r].numel() * self.tensors[r].element_size()
+                   for r in (*self.filled, *self.relocated))
 
     def check_complete(self, rank: int) -> None:
+        """Every new region is the target of pieces adding up to its size (checked on the plan,
+        before the exchange; that the bytes arrived is what the per-message checksums check)."""
         for r, n in self.filled.items():
             if n != r.numel:
-                raise TransitionError(f"rank {rank}: {r.tensor}/{r.kind} received {n} of {r.numel} elements")
+                raise TransitionError(f"rank {rank}: the plan fills {n} of the {r.numel} elements of "
+                                      f"{r.tensor}/{r.kind}")
 
 
 class _SourceSums:
@@ -181,7 +193,8 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     transport.finish(posted, timeout_s, on_arrival=lambda i, buf: got.append(checksum(buf)))
     for peer, values in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
-    recvs = posted.recvs if posted else []
+    recvs = [(peer, buf.numel() * buf.element_size()) for peer, buf in posted.recvs] if posted else []
+    del posted  # staging buffers go back to the arena now, not when the next exchange has run
     sums_in: dict[int, torch.Tensor] = {}
     for peer in sorted({peer for peer, _ in recvs}):
         n = sum(1 for p, _ in recvs if p == peer)
@@ -195,12 +208,12 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
         t2 = time.perf_counter()
         seen: dict[int, int] = defaultdict(int)
         expected = {peer: t.tolist() for peer, t in sums_in.items()}
-        for i, (peer, buf) in enumerate(recvs):
+        for i, (peer, nbytes) in enumerate(recvs):
             k = seen[peer]
             seen[peer] += 1
             if got[i] != expected[peer][k]:
                 raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}, message {k + 1} of "
-                                      f"{len(sums_in[peer])} from rank {peer} ({buf.numel() * buf.element_size()} bytes)")
+                                      f"{len(sums_in[peer])} from rank {peer} ({nbytes} bytes)")
         counters["received"] += incoming
         counters["verify_s"] += time.perf_counter() - t2
 
@@ -215,6 +228,9 @@ def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
         return
     raise RuntimeError(f"injected fault on rank {rank} in round {rnd}")
 
+
+_TAGS = itertools.count(1)
+"""Message tag per transition applied in this process (every rank applies the same sequence)."""
 
 STAGING_BYTES = 256 << 20
 """Default bound on one rank's staging buffers in one exchange (see ``round_groups``)."""
@@ -287,14 +303,18 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0,
                 "staging_peak": 0, "staged": 0}
     held_before = store.nbytes()
+    transport.tag = next(_TAGS)  # the same sequence on every rank: leftovers of a failed transition never match
     msgs0, wire0 = transport.messages, transport.wire_s
     ok, reason = True, ""
     new: _NewLayout | None = None
     groups: list[tuple[int, int]] = []
     staged = [0] * plan.rounds
+    items: dict | None = None
     try:
         new = _NewLayout(store, plan, rank)
         items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes)
+        new.check_complete(rank)  # the plan covers every new element exactly once: else stop before any byte moves
+        counters["copied"] += new.relocated_bytes
         counters["allocate_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - roll back, with the reason
         ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -316,7 +336,6 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                                     transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify)
             if verify is not None:
                 verify()
-            new.check_complete(rank)
         except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
             ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
     transport.close()
@@ -332,7 +351,9 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     models = sorted({h.region.model for h in plan.dst})
     for m in models:
         store.step[m] = transport.max_int(store.step.get(m, 0), timeout_s)
+    items = None  # drop this rank's views of the old state, so its buffers are free for the trim
     store.replace(new.tensors.items())
+    trim_cache()  # the old state's buffers are free now: keep at most cache_limit() of them
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
     phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),
                ("wire_s", round(transport.wire_s - wire0, 6)))

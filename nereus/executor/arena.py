@@ -40,6 +40,10 @@ HUGE_PAGE = 2 << 20
 _lock = threading.Lock()
 _blocks: list[mmap.mmap] = []
 """Every host buffer handed out and not yet unmapped, oldest first."""
+_sizes: dict[int, int] = {}
+"""Start address -> size of every mapped buffer (to find the buffer a tensor lives in)."""
+_base: dict[int, int] = {}
+"""id of a mapped buffer -> its start address."""
 _limit = [1 << 30]
 _huge = [False]
 
@@ -50,9 +54,9 @@ def _free(blocks: list[mmap.mmap], base: int | None = None) -> list[mmap.mmap]:
     return [m for m in blocks if sys.getrefcount(m) <= base]
 
 
-_BASE_REFS = max(sys.getrefcount(m) for m in [mmap.mmap(-1, 1)])
-"""References to a buffer held by a list alone, counted the way ``_free`` counts them (the
-list's entry, the loop variable, ``getrefcount``'s argument)."""
+_BASE_REFS = [sys.getrefcount(m) for m in [mmap.mmap(-1, 1)]][0]
+"""References to a buffer held by a list alone, counted the way ``_free`` counts them (a list
+comprehension: the list's entry, the loop variable, ``getrefcount``'s argument)."""
 
 
 def use_huge_pages(on: bool) -> None:
@@ -79,6 +83,13 @@ def cached_bytes() -> int:
         return sum(len(m) for m in _free(_blocks))
 
 
+def trim_cache() -> int:
+    """Unmap the oldest free buffers beyond ``cache_limit()``; returns the bytes released.
+    ``apply_transition`` calls it after commit, when the old state's buffers become free."""
+    with _lock:
+        return _trim(_limit[0])
+
+
 def release_cached() -> int:
     """Unmap every free host buffer; returns the bytes released."""
     with _lock:
@@ -95,6 +106,7 @@ def _trim(limit: int) -> int:
         _blocks.remove(m)
         keep -= len(m)
         released += len(m)
+        _sizes.pop(_base.pop(id(m), -1), None)
         m.close()
     return released
 
@@ -113,8 +125,28 @@ def _take(nbytes: int) -> torch.Tensor:
                 m.madvise(mmap.MADV_HUGEPAGE)
         _blocks.append(m)  # most recently used last: trimmed last
         t = torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if nbytes:
+            _base[id(m)] = t.data_ptr()
+            _sizes[t.data_ptr()] = len(m)
         _trim(_limit[0])
     return t
+
+
+MIN_WASTE = 8 << 20
+"""A kept region is moved out of its arena buffer only when that frees more than this."""
+
+
+def mostly_dead(tensors: list[torch.Tensor], min_waste: int | None = None) -> list[bool]:
+    """For tensors that stay alive while everything else in their arena buffers is dropped (a
+    transition's kept regions): True where the buffer would be mostly dead, i.e. its size minus
+    the bytes of these tensors in it exceeds both those bytes and ``min_waste`` (default
+    ``MIN_WASTE``)."""
+    min_waste = MIN_WASTE if min_waste is None else min_waste
+    bases = [t.untyped_storage().data_ptr() if t.device.type == "cpu" else -1 for t in tensors]
+    live: dict[int, int] = defaultdict(int)
+    for t, base in zip(tensors, bases):
+        live[base] += t.numel() * t.element_size()
+    return [base in _sizes and _sizes[base] - live[base] > max(live[base], min_waste) for base in bases]
 
 
 def _aligned(nbytes: int) -> int:

@@ -52,6 +52,8 @@ class Transport(ABC):
         self._recvs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self.messages = 0
         self.bytes_sent = 0
+        self.tag = 0
+        """Message tag (gloo): ``apply_transition`` sets one per transition."""
         self.wire_s = 0.0
         """Seconds spent posting and waiting (the wire, or peers not ready yet), excluding packing."""
 
@@ -241,7 +243,7 @@ class DistTransport(Transport):
 
         super().__init__(rank, bucket_bytes)
         self.group = group
-        self.streaming = dist.get_backend(group) != "nccl"
+        self.streaming = "nccl" not in str(dist.get_backend(group))  # also "cpu:gloo,cuda:nccl"
         self._pg = group if group is not None else dist.group.WORLD
         self._group_rank = {g: (g if group is None else dist.get_group_rank(group, g))
                             for g in (range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group))}
@@ -266,7 +268,7 @@ class DistTransport(Transport):
         """gloo: one send/recv per message straight on the process group (what ``isend`` and
         ``irecv`` do, without their per-call Python checks); one work per message."""
         try:
-            return [post([buf], self._group_rank[peer], 0) for peer, buf in items]
+            return [post([buf], self._group_rank[peer], self.tag) for peer, buf in items]
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 

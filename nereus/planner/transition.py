@@ -88,7 +88,7 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
             yield t, (t.name,)
         else:
             by_layer.setdefault(t.layer, []).append(t)
-    max_group = model.layers  # per-layer templates did not pay off: long moves are split by rows instead
+    max_group = model.layers  # per-layer templates did not pay off: long moves are cut along their storage dim instead
     for layers in _layer_groups(model.layers, pa.config.pp, pb.config.pp, max_group):
         rep = layers[0]
         prefix = f"layers.{rep}."

@@ -57,3 +57,16 @@ def test_cache_limit_unmaps_free_buffers_beyond_it():
     finally:
         arena.set_cache_limit(old)
         arena.release_cached()
+
+
+def test_mostly_dead_flags_a_small_survivor_of_a_big_buffer():
+    arena.release_cached()
+    regions = [Region("actor", f"t{i}", "param", (0, 0), (1024, 1024), "fp32") for i in range(4)]  # 4 x 4 MiB
+    out = arena.empty_regions(regions, TORCH_DTYPES, torch.device("cpu"))
+    survivor = out[regions[0]]
+    assert arena.mostly_dead([survivor]) == [True]  # 4 MiB kept of a 16 MiB buffer: 12 MiB would be wasted
+    assert arena.mostly_dead([survivor], min_waste=64 << 20) == [False]
+    assert arena.mostly_dead([out[r] for r in regions]) == [False] * 4  # all kept: nothing wasted
+    assert arena.mostly_dead([torch.zeros(10)]) == [False]  # not from an arena
+    del out, survivor
+    arena.release_cached()
