@@ -2,16 +2,16 @@
 
 Call order (every rank of the world calls ``apply_transition`` with the same plan):
 1. allocate the rank's new regions from the arena, in storage order (kept regions are reused as
-   they are, never copied), and build this rank's view of every piece it sends or receives, as
-   it travels (``TransitionPlan.major``);
+   they are; one is copied only to free a mostly dead arena buffer), build this rank's view of
+   every piece it sends or receives, as it travels (``TransitionPlan.major``), and check the
+   plan fills every new region exactly once, element for element;
 2. one max-reduce over ranks: the bytes each round stages on the busiest rank, and whether any
    rank failed to prepare (then every rank rolls back before a byte moves);
 3. for each exchange (consecutive planner rounds, merged while staging stays within
    ``staging_bytes``), in (round, op id) order: sends/receives through the transport (small
    pieces bucketed, dense ones in place), then local copies; every message a rank receives is
    checked against the checksum its sender computed over the same bytes;
-4. check every new region was written exactly once, element for element;
-5. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
+4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
    "no" vote leaves the store untouched (rollback) and raises TransitionError.
 """
@@ -63,7 +63,7 @@ class ApplyReport:
     staged receives)."""
     seconds: float
     phases: tuple[tuple[str, float], ...] = ()
-    """Seconds per phase on this rank: allocate, prepare (posting, packing, and while the bytes
+    """Seconds per phase on this rank: allocate (new regions and this rank's piece views), prepare (posting, packing, and while the bytes
     move: sender checksums and local copies), exchange (packing, the wire and waiting on peers; ``wire_s`` is the wire and waiting
     part alone), verify (receiver checksums; runs during the next round's transfer, so it is
     also inside that round's prepare), vote+commit."""
@@ -93,7 +93,7 @@ class _NewLayout:
                 self.filled[h.region] = 0
         # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
-        held = sorted(r for r in kept if r in self.tensors)
+        held = sorted(kept)
         self.relocated = [r for r, move in zip(held, mostly_dead([self.tensors[r] for r in held])) if move]
         self.tensors.update(empty_regions(fresh + self.relocated, TORCH_DTYPES, store.device,
                                           {(m, t): d for m, t, d in plan.major}))
@@ -229,6 +229,10 @@ def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
     raise RuntimeError(f"injected fault on rank {rank} in round {rnd}")
 
 
+def _reason(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 _TAGS = itertools.count(1)
 """Message tag per transition applied in this process (every rank applies the same sequence)."""
 
@@ -317,7 +321,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
         counters["copied"] += new.relocated_bytes
         counters["allocate_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - roll back, with the reason
-        ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
+        ok, reason = False, _reason(e)
     try:  # every rank, also one that failed to prepare: the largest staging per round, and any failure
         spread = transport.max_ints([int(not ok)] + staged, timeout_s)
         if ok and spread[0]:
@@ -337,7 +341,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
             if verify is not None:
                 verify()
         except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
-            ok, reason = False, str(e).splitlines()[0] if str(e) else type(e).__name__
+            ok, reason = False, _reason(e)
     transport.close()
     t_vote = time.perf_counter()
     try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out

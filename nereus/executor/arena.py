@@ -40,18 +40,15 @@ HUGE_PAGE = 2 << 20
 _lock = threading.Lock()
 _blocks: list[mmap.mmap] = []
 """Every host buffer handed out and not yet unmapped, oldest first."""
-_sizes: dict[int, int] = {}
-"""Start address -> size of every mapped buffer (to find the buffer a tensor lives in)."""
-_base: dict[int, int] = {}
-"""id of a mapped buffer -> its start address."""
+_start: dict[int, int] = {}
+"""id of a mapped buffer -> its start address (to find the buffer a tensor lives in)."""
 _limit = [1 << 30]
 _huge = [False]
 
 
-def _free(blocks: list[mmap.mmap], base: int | None = None) -> list[mmap.mmap]:
+def _free(blocks: list[mmap.mmap]) -> list[mmap.mmap]:
     """The buffers of ``blocks`` that nothing but the list references (no tensor views them)."""
-    base = _BASE_REFS if base is None else base
-    return [m for m in blocks if sys.getrefcount(m) <= base]
+    return [m for m in blocks if sys.getrefcount(m) <= _BASE_REFS]
 
 
 _BASE_REFS = [sys.getrefcount(m) for m in [mmap.mmap(-1, 1)]][0]
@@ -106,7 +103,7 @@ def _trim(limit: int) -> int:
         _blocks.remove(m)
         keep -= len(m)
         released += len(m)
-        _sizes.pop(_base.pop(id(m), -1), None)
+        _start.pop(id(m), None)
         m.close()
     return released
 
@@ -126,8 +123,7 @@ def _take(nbytes: int) -> torch.Tensor:
         _blocks.append(m)  # most recently used last: trimmed last
         t = torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         if nbytes:
-            _base[id(m)] = t.data_ptr()
-            _sizes[t.data_ptr()] = len(m)
+            _start[id(m)] = t.data_ptr()
         _trim(_limit[0])
     return t
 
@@ -142,11 +138,13 @@ def mostly_dead(tensors: list[torch.Tensor], min_waste: int | None = None) -> li
     the bytes of these tensors in it exceeds both those bytes and ``min_waste`` (default
     ``MIN_WASTE``)."""
     min_waste = MIN_WASTE if min_waste is None else min_waste
+    with _lock:
+        sizes = {_start[id(m)]: len(m) for m in _blocks if id(m) in _start}
     bases = [t.untyped_storage().data_ptr() if t.device.type == "cpu" else -1 for t in tensors]
     live: dict[int, int] = defaultdict(int)
     for t, base in zip(tensors, bases):
         live[base] += t.numel() * t.element_size()
-    return [base in _sizes and _sizes[base] - live[base] > max(live[base], min_waste) for base in bases]
+    return [base in sizes and sizes[base] - live[base] > max(live[base], min_waste) for base in bases]
 
 
 def _aligned(nbytes: int) -> int:
@@ -174,19 +172,14 @@ def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device,
         by_dtype[r.dtype].append(r)
     out: dict[Region, torch.Tensor] = {}
     for name, rs in by_dtype.items():
-        dt = dtypes[name]
-        size = torch.empty(0, dtype=dt).element_size()
-        buf = _take(sum(_aligned(r.numel * size) for r in rs))
-        pos = 0
-        for r in rs:
-            n = r.numel * size
-            out[r] = _in_order(buf[pos:pos + n].view(dt), r.lengths, major.get((r.model, r.tensor), 0))
-            pos += _aligned(n)
+        for r, flat in zip(rs, scratch([r.numel for r in rs], dtypes[name], device)):
+            out[r] = _in_order(flat, r.lengths, major.get((r.model, r.tensor), 0))
     return out
 
 
 def scratch(numels: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Flat uninitialised buffers of ``numels`` elements each, from one reusable host buffer."""
+    """Flat uninitialised buffers of ``numels`` elements each (64-byte aligned), carved from one
+    reusable host buffer; plain ``torch.empty`` on CUDA."""
     if device.type != "cpu":
         return [torch.empty(n, dtype=dtype, device=device) for n in numels]
     size = torch.empty(0, dtype=dtype).element_size()

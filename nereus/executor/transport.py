@@ -245,8 +245,8 @@ class DistTransport(Transport):
         self.group = group
         self.streaming = "nccl" not in str(dist.get_backend(group))  # also "cpu:gloo,cuda:nccl"
         self._pg = group if group is not None else dist.group.WORLD
-        self._group_rank = {g: (g if group is None else dist.get_group_rank(group, g))
-                            for g in (range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group))}
+        members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+        self._group_rank = {g: g if group is None else dist.get_group_rank(group, g) for g in members}
 
     def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
         import torch.distributed as dist
@@ -272,22 +272,11 @@ class DistTransport(Transport):
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
-    def _post_recvs(self, recvs: list) -> list:
-        import torch.distributed as dist
-
-        if self.streaming:
-            return [[w] for w in self._direct(self._pg.recv, recvs)]
-        works = self._batch([dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs])
-        if len(works) == len(recvs):
-            return [[w] for w in works]
-        return [list(works)] + [[] for _ in recvs[1:]]  # NCCL: one work for the batch
+    def _post_recvs(self, recvs: list) -> list:  # streaming (gloo) only: NCCL posts through _post_together
+        return [[w] for w in self._direct(self._pg.recv, recvs)]
 
     def _post_sends(self, sends: list) -> list:
-        import torch.distributed as dist
-
-        if self.streaming:
-            return self._direct(self._pg.send, sends)
-        return self._batch([dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends])
+        return self._direct(self._pg.send, sends)
 
     def _wait(self, works: list, timeout_s: float) -> None:
         limit = timedelta(seconds=timeout_s)
@@ -302,7 +291,7 @@ class DistTransport(Transport):
         import torch.distributed as dist
 
         t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
+        if not self.streaming:  # NCCL reduces CUDA tensors
             t = t.cuda()
         try:
             w = dist.all_reduce(t, op=op, group=self.group, async_op=True)

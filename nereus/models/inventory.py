@@ -135,6 +135,11 @@ def stage_tensors(model: ModelSpec, pp: int, stage: int, head: Literal["lm", "va
     return tuple(out)
 
 
+def storage_dim(t: TensorInfo) -> int:
+    """The dim of ``t`` stored outermost in memory: its TP split dim, else 0 (see ``storage_dims``)."""
+    return t.tp_dim or 0
+
+
 @lru_cache(maxsize=256)
 def storage_dims(model: ModelSpec) -> Mapping[str, int]:
     """Tensors whose shards are stored with a dim other than 0 outermost in memory: name -> dim.
@@ -145,4 +150,4 @@ def storage_dims(model: ModelSpec) -> Mapping[str, int]:
     resharding then moves bytes without packing or staging copies. Only row-parallel weights
     (split on dim 1) differ from plain row-major; their ``.t()`` is a contiguous matrix.
     """
-    return MappingProxyType({t.name: t.tp_dim for t in tensor_inventory(model) if t.tp_dim})
+    return MappingProxyType({t.name: storage_dim(t) for t in tensor_inventory(model) if storage_dim(t)})

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
-from nereus.models.inventory import TensorInfo, tensor_inventory
+from nereus.models.inventory import TensorInfo, storage_dim, tensor_inventory
 from nereus.planner.cost_params import CostParams
 from nereus.planner.emu import OPTIMIZER_KINDS, dp_sharded, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
 from nereus.planner.plan import Plan, StagePlacement
@@ -165,7 +165,7 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
         for kinds, dtype in _kind_groups(role, mixed_precision, include_optimizer):
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
-                out.templates.append(Template(role, names, kinds, dtype, t.tp_dim or 0))
+                out.templates.append(Template(role, names, kinds, dtype, storage_dim(t)))
                 cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
                              (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
                 _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa, intern), _holder_map(job, role, t, kinds[0], pb),

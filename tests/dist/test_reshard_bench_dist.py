@@ -19,3 +19,4 @@ def test_reshard_vs_dcp_benchmark_smoke(tmp_path):
     assert r["nereus_bit_exact"] and r["dcp_bit_exact"]
     assert r["speedup_vs_dcp"] == r["dcp_s"] / r["nereus_s"] and r["fraction_of_raw"] == r["raw_p2p_s"] / r["nereus_s"]
     assert r["exchanges"] >= 1 and r["network_bytes"] > 0
+    assert r["floor_s"] > 0 and r["floor_fraction_of_raw"] == r["raw_p2p_s"] / r["floor_s"]

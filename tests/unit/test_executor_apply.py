@@ -68,6 +68,16 @@ class CorruptingTransport(MockTransport):
         return super()._post_sends(sends)
 
 
+def _in_threads(run, world: int) -> None:
+    """``run(rank)`` on ``world`` threads at once (one per rank of the mock transport); all end."""
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+
+
 def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, staging_bytes=0):
     tplan = plan_transition(JOB, local_cluster(world), a, b, mixed_precision=False, scheduler="greedy")
     hub = MockHub(world)
@@ -85,12 +95,7 @@ def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt
         except TransitionError as e:
             results[r] = e
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
+    _in_threads(run, world)
     return tplan, stores, before, results
 
 
@@ -145,11 +150,7 @@ def test_a_rank_that_cannot_prepare_stops_every_rank_before_any_byte_moves():
         sent_by[r] = tx.bytes_sent
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    _in_threads(run, 2)
     assert time.perf_counter() - t0 < 10  # far below the 30 s timeout
     assert all(isinstance(r, TransitionError) for r in results), results
     assert "holds nothing covering" in str(results[1]) and "failed to prepare" in str(results[0])
@@ -245,11 +246,7 @@ def test_pieces_move_in_place_when_stored_in_the_plans_order():
         def run(r):
             results[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub, bucket_bytes=1), timeout_s=5.0)
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        _in_threads(run, 2)
         assert all(r is not None for r in results), results
         assert all(mismatches(st, JOB, seed=0) == [] for st in stores)
         staged = sum(r.bytes_staged for r in results)
@@ -291,11 +288,7 @@ def test_kept_regions_do_not_pin_a_mostly_dead_arena_buffer(monkeypatch):
             def run(r, tplan=tplan, got=got):
                 got[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub), timeout_s=5.0)
 
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=60)
+            _in_threads(run, 2)
             assert all(g is not None for g in got), got
             reports.append((tplan, got))
         tplan, got = reports[1]
