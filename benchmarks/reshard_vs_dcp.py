@@ -13,9 +13,12 @@ three ways in one run:
   2. DCP: ``torch.distributed.checkpoint.save`` of DTensors in A to a temp dir, then ``load``
      into DTensors laid out for B (what users do today);
   3. raw: one ``batch_isend_irecv`` of the same bytes between the same rank pairs, preallocated
-     flat buffers, no checks (the machine's point-to-point limit); and "floor": raw plus the
-     work any verifying transition must add (a checksum of every byte on both ends, the local
-     copies), no Nereus code.
+     flat buffers, no checks (the machine's point-to-point limit); and two floors, no Nereus code
+     in either: "floor": raw plus the work any verifying transition must add (a checksum of every
+     byte on both ends, the local copies), in 8 MB messages; "floor, Nereus's messages": the
+     same, but with the messages of Nereus's own transition (same peers, sizes and order,
+     recorded in an untimed run), each posted straight on the process group from preallocated
+     buffers: what this transition's piece structure costs before any executor work.
 Both Nereus's and DCP's results are compared bit for bit with the seeded reference.
 
     .venv/bin/python benchmarks/reshard_vs_dcp.py [--json OUT] [--layers 8] [--hidden 512]
@@ -74,6 +77,42 @@ def _dtensor_state(regions, placement, mesh, model):
     return out
 
 
+def _nereus_messages(store_a, tplan, rank: int) -> tuple[dict[str, list[tuple[int, int]]], float]:
+    """(peer, elements) of every message this rank sends and receives in a Nereus transition
+    of ``tplan``, in posting order, and the seconds that transition took: the first of the
+    process (new host memory), on a copy of the state, through a transport that records what
+    it posts."""
+    from nereus.executor.apply import apply_transition
+    from nereus.executor.store import ShardStore
+    from nereus.executor.transport import DistTransport
+
+    seen: dict[str, list[tuple[int, int]]] = {"send": [], "recv": []}
+
+    class Recording(DistTransport):
+        def _post_sends(self, sends):
+            seen["send"] += [(p, b.numel()) for p, b in sends if b.dtype == torch.float32]
+            return super()._post_sends(sends)
+
+        def _post_recvs(self, recvs):
+            seen["recv"] += [(p, b.numel()) for p, b in recvs if b.dtype == torch.float32]
+            return super()._post_recvs(recvs)
+
+    store = ShardStore()
+    for r, t in store_a.items():
+        store.put(r, t.clone())
+    first_s = _timed(lambda: apply_transition(store, tplan, rank, Recording(rank), timeout_s=300))
+    # the checksum messages (int64) are not part of the transfer; the state is fp32 throughout
+    return seen, first_s
+
+
+def _carve(flat: torch.Tensor, sizes: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+    out, pos = [], 0
+    for peer, n in sizes:
+        out.append((peer, flat[pos:pos + n]))
+        pos += n
+    return out
+
+
 def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: dict, local_bytes: dict, tmp: str,
                repeat: int) -> dict:
     """Best of ``repeat`` for each method. The methods are interleaved within each repetition
@@ -112,6 +151,10 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
 
     local_src = torch.randn(local_bytes[rank] // 4)
     local_dst = torch.empty_like(local_src)
+    posted, first_s = _nereus_messages(store_a, tplan, rank)
+    msg_sends = _carve(torch.randn(sum(n for _, n in posted["send"])), posted["send"])
+    msg_recvs = _carve(torch.empty(sum(n for _, n in posted["recv"])), posted["recv"])
+    pg = dist.group.WORLD
 
     def raw():
         ops = [dist.P2POp(dist.isend, t, p) for p, t in sorted(sends.items())]
@@ -138,8 +181,23 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
         for w in works[len(rchunks):]:
             w.wait()
 
+    def floor_messages():
+        """floor() with Nereus's messages for this transition instead of 8 MB ones."""
+        works = [pg.recv([b], p, 1 << 20) for p, b in msg_recvs]
+        sent = []
+        for p, b in msg_sends:
+            checksum(b)
+            sent.append(pg.send([b], p, 1 << 20))
+        local_dst.copy_(local_src)
+        for w, (_, b) in zip(works, msg_recvs):
+            w.wait()
+            checksum(b)
+        for w in sent:
+            w.wait()
+
     variants = ("nereus", "nereus_rounds", "nereus_no_verify")
-    times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", "floor", "alloc_fill", *variants)}
+    times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", "floor", "floor_messages", "alloc_fill",
+                                                     *variants)}
     report = bad_nereus = fresh = None
     for i in range(repeat):
         ckpt = f"{tmp}/rep{i}"
@@ -178,6 +236,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
             del store, box
         times["raw"].append(_timed(raw))
         times["floor"].append(_timed(floor))
+        times["floor_messages"].append(_timed(floor_messages))
 
         def alloc_fill():  # what materialising B in new memory costs any method, before any byte moves
             box_f["t"] = [torch.empty(r.lengths).fill_(1.0) for r in regions_b]
@@ -190,11 +249,12 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
     return {"rank": rank, "state_bytes": int(total), "nereus_s": min(times["nereus"]),
             "nereus_rounds_s": min(times["nereus_rounds"]), "nereus_no_verify_s": min(times["nereus_no_verify"]),
             "exchanges": report.exchanges, "dcp_save_s": min(times["save"]),
-            "dcp_load_s": min(times["load"]), "raw_p2p_s": min(times["raw"]), "floor_s": min(times["floor"]), "alloc_fill_s": min(times["alloc_fill"]),
+            "dcp_load_s": min(times["load"]), "raw_p2p_s": min(times["raw"]), "floor_s": min(times["floor"]),
+            "floor_messages_s": min(times["floor_messages"]), "alloc_fill_s": min(times["alloc_fill"]),
             "all_times": times,
             "nereus_mismatches": len(bad_nereus), "dcp_equal": dcp_equal, "bytes_sent": report.bytes_sent,
             "bytes_copied": report.bytes_copied, "bytes_staged": report.bytes_staged, "messages": report.messages,
-            "nereus_first_s": times["nereus"][0]}
+            "nereus_first_s": first_s, "data_messages": len(posted["send"])}
 
 
 def main(argv=None) -> int:
@@ -234,6 +294,9 @@ def main(argv=None) -> int:
     res = {"state_bytes": r["state_bytes"], "nereus_s": r["nereus_s"], "dcp_s": dcp_s, "raw_p2p_s": r["raw_p2p_s"],
            "speedup_vs_dcp": dcp_s / r["nereus_s"], "fraction_of_raw": r["raw_p2p_s"] / r["nereus_s"],
            "floor_s": r["floor_s"], "floor_fraction_of_raw": r["raw_p2p_s"] / r["floor_s"],
+           "floor_messages_s": r["floor_messages_s"],
+           "floor_messages_fraction_of_raw": r["raw_p2p_s"] / r["floor_messages_s"],
+           "data_messages": sum(o["data_messages"] for o in out),
            "nereus_planner_rounds_s": r["nereus_rounds_s"],
            "nereus_no_verify_s_diagnostic": r["nereus_no_verify_s"], "alloc_fill_b_s": r["alloc_fill_s"], "exchanges": r["exchanges"], "dcp_save_s": r["dcp_save_s"], "dcp_load_s": r["dcp_load_s"], "network_bytes": net,
            "local_copy_bytes": sum(o["bytes_copied"] for o in out), "messages": sum(o["messages"] for o in out),
@@ -256,6 +319,7 @@ def main(argv=None) -> int:
                     ("  of which save", r["dcp_save_s"]), ("  of which load", r["dcp_load_s"]),
                     ("raw batch_isend_irecv (same bytes)", r["raw_p2p_s"]),
                     ("  raw + checksums + local copies (floor)", r["floor_s"]),
+                    ("  floor, in Nereus's messages", r["floor_messages_s"]),
                     ("allocate + fill B's regions (no transfer)", r["alloc_fill_s"])):
         print(f"{name:<40}{s:>10.3f}{res['state_bytes'] / gb / s:>14.2f}")
     print(f"headline = default apply (planner rounds merged while each rank stages at most {STAGING_BYTES >> 20} MiB; "
@@ -263,6 +327,8 @@ def main(argv=None) -> int:
           f"{r['nereus_s'] - r['nereus_no_verify_s']:+.3f} s (checksums off is not a product mode)")
     print(f"first transition of the run (new host memory, page faults inside the receives): {r['nereus_first_s']:.3f} s; "
           "later ones reuse the freed arena (nereus.executor.arena), as the CUDA caching allocator does on GPUs")
+    print(f"floors (no Nereus code): {res['floor_fraction_of_raw']:.0%} of raw in 8 MB messages, "
+          f"{res['floor_messages_fraction_of_raw']:.0%} of raw in the {res['data_messages']} data messages of this transition")
     print(f"speedup vs DCP {res['speedup_vs_dcp']:.2f}x (goal >= 3x); fraction of raw p2p "
           f"{res['fraction_of_raw']:.0%} (goal >= 70%); bit-exact: Nereus {res['nereus_bit_exact']}, "
           f"DCP {res['dcp_bit_exact']}")

@@ -27,7 +27,7 @@ import torch
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.executor.arena import empty_regions, mostly_dead, trim_cache
-from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, region_slices
+from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, narrowed
 from nereus.executor.transport import Transport
 from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
 
@@ -108,7 +108,7 @@ class _NewLayout:
         for r in self.by_key.get(piece.key, ()):
             if r not in self.kept and contains(r, piece):
                 self.filled[r] += piece.numel
-                return self.tensors[r][region_slices(r, piece)]
+                return narrowed(self.tensors[r], r, piece)
         raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
                               "no destination region of this rank")
 

@@ -6,7 +6,6 @@ region verified. Nothing here touches disk.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Iterable, Iterator
 
 import torch
@@ -33,6 +32,16 @@ def region_slices(outer: Region, inner: Region) -> tuple[slice, ...]:
     return tuple(out)
 
 
+def narrowed(t: torch.Tensor, outer: Region, inner: Region) -> torch.Tensor:
+    """The part of ``t`` (holding ``outer``) that holds ``inner``, which lies inside it (see
+    ``contains``): ``narrow`` on the dims where they differ, the same view as indexing with
+    ``region_slices`` at a fraction of its cost."""
+    for d, (oo, ol, io, il) in enumerate(zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths)):
+        if (oo, ol) != (io, il):
+            t = t.narrow(d, io - oo, il)
+    return t
+
+
 def contains(outer: Region, inner: Region) -> bool:
     return outer.key == inner.key and all(
         oo <= io and io + il <= oo + ol
@@ -49,11 +58,11 @@ def checksum(t: torch.Tensor) -> int:
     flat = t.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous()
-    n = flat.numel() * flat.element_size()
-    # the bytes in place, through the buffer protocol (no tensor views, any dtype incl. bf16)
-    return xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(flat.data_ptr()) if n else b"") \
-        & 0x7FFFFFFFFFFFFFFF
+    if flat.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"") & 0x7FFFFFFFFFFFFFFF
+    # the bytes in place, through the buffer protocol, as uint8 (any dtype incl. bf16); a few
+    # microseconds a call, whatever the size (a ctypes array type per size cost ~15 us)
+    return xxhash.xxh3_64_intdigest(flat.contiguous().reshape(-1).view(torch.uint8).numpy()) & 0x7FFFFFFFFFFFFFFF
 
 
 class ShardStore:
@@ -109,7 +118,7 @@ class ShardStore:
         if t is not None:  # the whole held region (the common case)
             return t
         outer, t = self.covering(region)
-        return t[region_slices(outer, region)]
+        return narrowed(t, outer, region)
 
     def replace(self, regions: Iterable[tuple[Region, torch.Tensor]]) -> None:
         """Commit: the new contents replace the old ones at once (old tensors are freed)."""

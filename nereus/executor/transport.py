@@ -64,8 +64,19 @@ class Transport(ABC):
         """``tensor`` may be a non-contiguous view (a slice of a destination region)."""
         self._recvs[(peer, tensor.dtype)].append(tensor)
 
-    def _big(self, t: torch.Tensor) -> bool:
-        return t.numel() * t.element_size() >= self.bucket_bytes
+    def _messages(self, queued: dict) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
+        """Per message, in order: (peer, the tensor itself, or the tensors a staging buffer
+        stands for: the bucket of small ones, or one strided tensor)."""
+        msgs: list[tuple[int, torch.Tensor | list[torch.Tensor]]] = []
+        limit = self.bucket_bytes
+        for (peer, _), ts in sorted(queued.items(), key=_key):
+            small, big = [], []
+            for t in ts:
+                (big if t.nbytes >= limit else small).append(t)
+            if small:
+                msgs.append((peer, small))
+            msgs += [(peer, t if t.is_contiguous() else [t]) for t in big]
+        return msgs
 
     def run(self, timeout_s: float) -> None:
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
@@ -79,23 +90,11 @@ class Transport(ABC):
         posted (the caller's checksum). Streaming transports (gloo) post the receives first, then
         the sends in groups of ``SEND_GROUP_BYTES``, each right after its hook ran; the others
         (NCCL) run every hook, then post the exchange as one batch."""
-        # per message: (peer, the tensor itself, or the tensors a staging buffer stands for)
-        out: list[tuple[int, torch.Tensor | list[torch.Tensor]]] = []
-        inc: list[tuple[int, torch.Tensor | list[torch.Tensor]]] = []
-        for (peer, _), ts in sorted(self._sends.items(), key=_key):
-            small = [t for t in ts if not self._big(t)]
-            if small:
-                out.append((peer, small))
-            out += [(peer, t if t.is_contiguous() else [t]) for t in ts if self._big(t)]
-        for (peer, _), ts in sorted(self._recvs.items(), key=_key):
-            small = [t for t in ts if not self._big(t)]
-            if small:
-                inc.append((peer, small))
-            inc += [(peer, t if t.is_contiguous() else [t]) for t in ts if self._big(t)]
+        out, inc = self._messages(self._sends), self._messages(self._recvs)
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
-        bufs = _staging([m for _, m in out + inc])
-        sends = [(peer, m.view(-1) if isinstance(m, torch.Tensor) else _pack(m, bufs.pop(0))) for peer, m in out]
-        recvs = [(peer, m if isinstance(m, torch.Tensor) else bufs.pop(0)) for peer, m in inc]
+        bufs = iter(_staging([m for _, m in out + inc]))
+        sends = [(peer, m if isinstance(m, torch.Tensor) else _pack(m, next(bufs))) for peer, m in out]
+        recvs = [(peer, m if isinstance(m, torch.Tensor) else next(bufs)) for peer, m in inc]
         staged = [None if isinstance(m, torch.Tensor) else m for _, m in inc]
         if not sends and not recvs:
             return None
@@ -247,6 +246,7 @@ class DistTransport(Transport):
         self._pg = group if group is not None else dist.group.WORLD
         members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
         self._group_rank = {g: g if group is None else dist.get_group_rank(group, g) for g in members}
+        self._limits: dict[float, timedelta] = {}
 
     def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
         import torch.distributed as dist
@@ -279,7 +279,9 @@ class DistTransport(Transport):
         return self._direct(self._pg.send, sends)
 
     def _wait(self, works: list, timeout_s: float) -> None:
-        limit = timedelta(seconds=timeout_s)
+        limit = self._limits.get(timeout_s)
+        if limit is None:
+            limit = self._limits[timeout_s] = timedelta(seconds=timeout_s)
         try:
             for w in works:
                 if not w.wait(limit):

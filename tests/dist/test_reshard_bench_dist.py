@@ -20,3 +20,5 @@ def test_reshard_vs_dcp_benchmark_smoke(tmp_path):
     assert r["speedup_vs_dcp"] == r["dcp_s"] / r["nereus_s"] and r["fraction_of_raw"] == r["raw_p2p_s"] / r["nereus_s"]
     assert r["exchanges"] >= 1 and r["network_bytes"] > 0
     assert r["floor_s"] > 0 and r["floor_fraction_of_raw"] == r["raw_p2p_s"] / r["floor_s"]
+    assert r["floor_messages_s"] > 0 and r["floor_messages_fraction_of_raw"] == r["raw_p2p_s"] / r["floor_messages_s"]
+    assert 0 < r["data_messages"] < r["messages"]  # the transition's own messages; the rest carry checksums

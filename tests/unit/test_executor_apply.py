@@ -1,5 +1,6 @@
 """Executor pieces without torch.distributed: checksums, region slicing, layout vs the planner's
 holdings, and whole transitions applied by threads over the mock transport."""
+import random
 import threading
 import time
 
@@ -12,7 +13,7 @@ from nereus.errors import TransitionError
 from nereus.executor.apply import FaultSpec, apply_transition, round_groups
 from nereus.executor.layout import rank_regions
 from nereus.executor.scenario import init_store, local_cluster, make_plan, mismatches, tiny_job
-from nereus.executor.store import ShardStore, checksum, region_slices
+from nereus.executor.store import ShardStore, checksum, narrowed, region_slices
 from nereus.executor.transport import MockHub, MockTransport
 from nereus.models.spec import preset
 from nereus.planner.emu import holdings
@@ -40,6 +41,28 @@ def test_region_slices_worked_example():
     assert region_slices(outer, inner) == (slice(64, 128), slice(0, 128))
     with pytest.raises(TransitionError, match="not inside"):
         region_slices(inner, outer)
+
+
+def test_narrowed_is_the_same_view_as_region_slices():
+    rng = random.Random(3)
+    for _ in range(200):
+        lengths = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+        offsets = tuple(rng.randint(0, 10) for _ in lengths)
+        outer = Region("actor", "w", "param", offsets, lengths, "fp32")
+        lo = [rng.randint(0, n - 1) for n in lengths]
+        inner = Region("actor", "w", "param", tuple(o + a for o, a in zip(offsets, lo)),
+                       tuple(rng.randint(1, n - a) for n, a in zip(lengths, lo)), "fp32")
+        t = torch.randn(lengths).movedim(0, -1).contiguous().movedim(-1, 0)  # also a non-row-major layout
+        got, want = narrowed(t, outer, inner), t[region_slices(outer, inner)]
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape and got.stride() == want.stride()
+
+
+def test_checksum_is_xxh3_of_the_bytes_for_any_dtype_and_shape():
+    import xxhash
+
+    for t in (torch.randn(5, 7), torch.randn(3).bfloat16(), torch.tensor(2.0), torch.randn(4, 6).t(), torch.empty(0)):
+        raw = t.contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
+        assert checksum(t) == xxhash.xxh3_64_intdigest(raw) & 0x7FFFFFFFFFFFFFFF
 
 
 @pytest.mark.parametrize("kw", [dict(tp=2, pp=2), dict(dp=4), dict(tp=2, dp=2), dict(pp=2, dp=2, zero=0),
