@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from nereus.executor.apply import STAGING_BYTES
+    from nereus.executor.store import CHECKSUM_IMPL
     from nereus.executor.launch import launch
     from nereus.executor.scenario import local_cluster, make_plan, restrict, tiny_job
     from nereus.planner.transition import plan_transition
@@ -305,12 +306,13 @@ def main(argv=None) -> int:
            "layout_a": plan_a.home("actor").config.label(), "layout_b": plan_b.home("actor").config.label() + "z0",
            "nereus_bit_exact": all(o["nereus_mismatches"] == 0 for o in out),
            "dcp_bit_exact": all(o["dcp_equal"] for o in out), "world": WORLD, "backend": "gloo (CPU)",
+           "checksum": CHECKSUM_IMPL,
            "repeat": args.repeat, "all_times_s": r["all_times"]}
     gb = 1e9
     print(f"{model.name}: {res['state_bytes'] / 1e6:.0f} MB of actor params + Adam moments (fp32), "
           f"{res['layout_a']} -> {res['layout_b']} on {WORLD} gloo ranks; {net / 1e6:.0f} MB cross-rank, "
           f"{res['local_copy_bytes'] / 1e6:.0f} MB local copies, {res['ops']} ops in {res['rounds']} rounds")
-    print(f"best of {args.repeat}; GB/s = state bytes / seconds")
+    print(f"best of {args.repeat}; GB/s = state bytes / seconds; checksum: XXH3-64 by {CHECKSUM_IMPL}")
     print(f"{'method':<40}{'seconds':>10}{'GB/s (state)':>14}")
     for name, s in ((f"Nereus transition ({r['exchanges']} exchange(s))", r["nereus_s"]),
                     (f"  Nereus, {res['rounds']} planner rounds one by one", r["nereus_rounds_s"]),
