@@ -23,6 +23,11 @@ Both Nereus's and DCP's results are compared bit for bit with the seeded referen
 
     .venv/bin/python benchmarks/reshard_vs_dcp.py [--json OUT] [--layers 8] [--hidden 512]
 
+The default model (8 layers, hidden 512: 334 MB of state) has TP4 shards of 128-720 KiB (fp32);
+``--layers 2 --hidden 1024`` (384 MB) and ``--layers 1 --hidden 2048`` (768 MB) have shards of
+0.5-3 MB and 2-12 MB, nearer a 7B model's TP4 shards (2-65 MB in bf16). Bigger shards mean fewer
+messages per byte for Nereus and for DCP alike: the README gives the figures for all three.
+
 Prints a table; ``--json`` writes state_bytes, nereus_s, dcp_s, raw_p2p_s, speedup_vs_dcp,
 fraction_of_raw (and more). CPU gloo on this machine: figures are real, not simulated.
 """
