@@ -11,7 +11,8 @@ Call order (every rank of the world calls ``apply_transition`` with the same pla
    ``staging_bytes``), in (round, op id) order: sends/receives through the transport (small
    pieces bucketed, dense ones in place), then local copies; every message a rank receives is
    checked against the checksum its sender computed over the same bytes;
-4. vote (``transport.agree``): commit only if every rank verified everything. Commit swaps the
+4. vote (one ``transport.max_ints``, which also spreads the Adam step counts): commit only if
+   every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
    "no" vote leaves the store untouched (rollback) and raises TransitionError.
 """
@@ -161,7 +162,8 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     buckets the small pieces; large ones land directly in their destination region), then each
     outgoing message right after this rank checksummed it; while the bytes move, the local
     copies and the previous exchange's comparison run. Every incoming message is checksummed as
-    it arrives (bytes still in cache), then one small checksum message per peer. Returns the
+    it arrives (bytes still in cache); one small message per peer, posted right after the data,
+    carries the sender's checksums. Returns the
     comparison of this exchange's received messages with their senders' checksums (run by the
     next exchange, or after the last)."""
     t0 = time.perf_counter()
@@ -178,11 +180,22 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
             local.append((peer, view, nbytes))
     sums_out: dict[int, list[int]] = defaultdict(list)
     posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
+    recvs = [(peer, buf.numel() * buf.element_size()) for peer, buf in posted.recvs] if posted else []
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
         staging += sum(b.numel() * b.element_size() for _, b in posted.sends if sums.made_for_message(b))
         counters["staging_peak"] = max(counters["staging_peak"], staging)
         counters["staged"] += staging
+    # the sender's checksums follow its data on each peer's stream, so they arrive with the data's
+    # tail instead of costing one more round trip after it
+    for peer, values in sorted(sums_out.items()):
+        transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
+    sums_in: dict[int, torch.Tensor] = {}
+    for peer in sorted({peer for peer, _ in recvs}):
+        n = sum(1 for p, _ in recvs if p == peer)
+        sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
+        transport.submit_recv(peer, sums_in[peer])
+    posted_sums = transport.start()
     for source, target, nbytes in local:
         target.copy_(source)
         counters["copied"] += nbytes
@@ -191,16 +204,8 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     t1 = time.perf_counter()
     got: list[int] = []
     transport.finish(posted, timeout_s, on_arrival=lambda i, buf: got.append(checksum(buf)))
-    for peer, values in sorted(sums_out.items()):
-        transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
-    recvs = [(peer, buf.numel() * buf.element_size()) for peer, buf in posted.recvs] if posted else []
     del posted  # staging buffers go back to the arena now, not when the next exchange has run
-    sums_in: dict[int, torch.Tensor] = {}
-    for peer in sorted({peer for peer, _ in recvs}):
-        n = sum(1 for p, _ in recvs if p == peer)
-        sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
-        transport.submit_recv(peer, sums_in[peer])
-    transport.run(timeout_s)
+    transport.finish(posted_sums, timeout_s)
     counters["prepare_s"] += t1 - t0
     counters["exchange_s"] += time.perf_counter() - t1
 
@@ -344,17 +349,18 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
             ok, reason = False, _reason(e)
     transport.close()
     t_vote = time.perf_counter()
-    try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out
-        agreed = transport.agree(ok, timeout_s)
-        if ok and not agreed:
+    models = sorted({h.region.model for h in plan.dst})
+    try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out;
+        # the same collective spreads each model's Adam step count, so one result decides both
+        vote = transport.max_ints([int(not ok)] + [store.step.get(m, 0) for m in models], timeout_s)
+        if ok and vote[0]:
             ok, reason = False, "another rank failed to verify its regions"
     except TransitionError as e:
         ok, reason = False, reason or str(e)
     if not ok:
         raise TransitionError(f"transition rolled back on rank {rank}: {reason}; the old layout is intact")
-    models = sorted({h.region.model for h in plan.dst})
-    for m in models:
-        store.step[m] = transport.max_int(store.step.get(m, 0), timeout_s)
+    for m, step in zip(models, vote[1:]):
+        store.step[m] = step
     items = None  # drop this rank's views of the old state, so its buffers are free for the trim
     store.replace(new.tensors.items())
     trim_cache()  # the old state's buffers are free now: keep at most cache_limit() of them

@@ -8,8 +8,9 @@ one as it arrives (the executor checksums there).
 Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
 travel as one flat message, in submission order, so thousands of small regions are a handful of
 messages. Both sides submit in op-id order, so the buckets line up without any header.
-``agree(ok)`` is the commit vote (all ranks ok -> True) and ``max_int`` spreads a scalar (the Adam
-step count). ``close`` drops pending work.
+``max_ints(values)`` is the one collective: an element-wise maximum over ranks (the executor's
+"failed to prepare" flag and staged bytes per round, then its commit vote and Adam step counts).
+``close`` drops pending work.
 
 - ``DistTransport``: torch.distributed point-to-point; gloo on CPU tensors, NCCL on CUDA
   tensors (the device decides). ``GlooTransport``/``NcclTransport`` are names for it.
@@ -169,12 +170,6 @@ class Transport(ABC):
     def _wait(self, handles: list, timeout_s: float) -> None: ...
 
     @abstractmethod
-    def agree(self, ok: bool, timeout_s: float) -> bool: ...
-
-    @abstractmethod
-    def max_int(self, value: int, timeout_s: float) -> int: ...
-
-    @abstractmethod
     def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         """Element-wise maximum over ranks (every rank passes a list of the same length)."""
 
@@ -289,34 +284,19 @@ class DistTransport(Transport):
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
 
-    def _all_reduce(self, value: int | list[int], op, timeout_s: float) -> int | list[int]:
+    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         import torch.distributed as dist
 
-        t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
+        t = torch.tensor(list(values), dtype=torch.int64)
         if not self.streaming:  # NCCL reduces CUDA tensors
             t = t.cuda()
         try:
-            w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+            w = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             if not w.wait(timedelta(seconds=timeout_s)):
                 raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s")
         except RuntimeError as e:
             raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) failed: {str(e).splitlines()[0]}") from e
-        return t.tolist() if isinstance(value, list) else int(t.item())
-
-    def agree(self, ok: bool, timeout_s: float) -> bool:
-        import torch.distributed as dist
-
-        return self._all_reduce(int(ok), dist.ReduceOp.MIN, timeout_s) == 1
-
-    def max_int(self, value: int, timeout_s: float) -> int:
-        import torch.distributed as dist
-
-        return self._all_reduce(value, dist.ReduceOp.MAX, timeout_s)
-
-    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
-        import torch.distributed as dist
-
-        return self._all_reduce(list(values), dist.ReduceOp.MAX, timeout_s)
+        return t.tolist()
 
 
 def dist_batch(ops: list) -> list:
@@ -337,8 +317,8 @@ class MockHub:
         self.world = world
         self.boxes: dict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
         self._lock = threading.Lock()
-        self._votes: list[int] = []
-        self._result: list[int] = []
+        self._votes: list[list[int]] = []
+        self._result: list[list[int]] = []
         self._barrier = threading.Barrier(world)
 
 
@@ -370,24 +350,15 @@ class MockTransport(Transport):
                                       f"{buf.numel()}")
             buf.view(-1).copy_(got.view(-1))
 
-    def _reduce(self, value: int, fn, timeout_s: float) -> int:
+    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         hub = self.hub
         try:
             with hub._lock:
-                hub._votes.append(value)
+                hub._votes.append(list(values))
             if hub._barrier.wait(timeout=timeout_s) == 0:
-                hub._result[:] = [fn(hub._votes)]
+                hub._result[:] = [[max(col) for col in zip(*hub._votes)]]
                 hub._votes.clear()
             hub._barrier.wait(timeout=timeout_s)
-            return hub._result[0]
+            return list(hub._result[0])
         except threading.BrokenBarrierError:
             raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s") from None
-
-    def agree(self, ok: bool, timeout_s: float) -> bool:
-        return self._reduce(int(ok), min, timeout_s) == 1
-
-    def max_int(self, value: int, timeout_s: float) -> int:
-        return self._reduce(value, max, timeout_s)
-
-    def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
-        return self._reduce(list(values), lambda vs: [max(col) for col in zip(*vs)], timeout_s)

@@ -109,12 +109,15 @@ def _in_threads(run, world: int) -> None:
     assert not any(t.is_alive() for t in threads)
 
 
-def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, staging_bytes=0):
+def _apply_threads(a, b, world, fault=None, transport_cls=MockTransport, corrupt_rank=None, staging_bytes=0,
+                   steps=None):
     tplan = plan_transition(JOB, local_cluster(world), a, b, mixed_precision=False, scheduler="greedy")
     hub = MockHub(world)
     stores = [ShardStore() for _ in range(world)]
     for r, s in enumerate(stores):
         init_store(s, JOB, a, r, seed=0)
+        if steps is not None:
+            s.step["actor"] = steps[r]
     before = [s.checksums() for s in stores]
     results: list = [None] * world
 
@@ -146,6 +149,18 @@ def test_mock_transition_tp2pp2_to_dp4_is_bit_exact_and_bucketed():
     for r in results:
         assert r.messages <= 2 * 3 * tplan.rounds
     assert len(tplan.ops) > 10 * sum(r.messages for r in results) / 4
+
+
+def test_the_commit_vote_carries_the_adam_step_count_to_every_rank():
+    """A rank that held no optimizer state for a model (step 0) gets the step count with the vote;
+    a rolled-back transition leaves every rank's count as it was."""
+    _, stores, _, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2, steps=[7, 0])
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert [s.step["actor"] for s in stores] == [7, 7]
+    _, stores, _, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2, steps=[7, 0],
+                                           fault=FaultSpec(rank=0, round=0))
+    assert all(isinstance(r, TransitionError) for r in results)
+    assert [s.step["actor"] for s in stores] == [7, 0]
 
 
 def test_mock_fault_rolls_back_every_rank():
