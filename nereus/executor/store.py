@@ -40,6 +40,9 @@ def narrowed(t: torch.Tensor, outer: Region, inner: Region) -> torch.Tensor:
     ``region_slices`` at a fraction of its cost."""
     for d, (oo, ol, io, il) in enumerate(zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths)):
         if (oo, ol) != (io, il):
+            if io < oo or io + il > oo + ol:
+                raise TransitionError(f"{inner.tensor}/{inner.kind}: region {inner.offsets}+{inner.lengths} is not "
+                                      f"inside {outer.offsets}+{outer.lengths}")
             t = t.narrow(d, io - oo, il)
     return t
 
@@ -52,8 +55,9 @@ def contains(outer: Region, inner: Region) -> bool:
 
 def _native_xxh3():
     """The system xxhash's ``XXH3_64bits_dispatch`` (it picks AVX2/AVX-512 at run time; the Python
-    wheel is built for SSE2 only), or None where libxxhash is not installed. The same function of
-    the bytes either way, so ranks with and without it agree."""
+    wheel is built for SSE2 only), or None where libxxhash is not installed or computes another
+    value than the Python package (XXH3's output is fixed since xxhash 0.8.0): ranks with and
+    without it must agree."""
     if os.environ.get("NEREUS_PY_XXHASH"):
         return None
     try:
@@ -61,6 +65,11 @@ def _native_xxh3():
     except (OSError, AttributeError):
         return None
     fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+    probe = bytes(range(256)) * 9  # crosses XXH3's short-, mid- and long-input paths
+    buf = ctypes.create_string_buffer(probe, len(probe))
+    for n in (0, 3, 17, 129, 240, 241, len(probe)):
+        if fn(ctypes.addressof(buf), n) != xxhash.xxh3_64_intdigest(probe[:n]):
+            return None
     return fn
 
 
