@@ -38,6 +38,7 @@ fraction_of_raw (and more). CPU gloo on this machine: figures are real, not simu
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -150,8 +151,8 @@ def _unique_send_bytes(tplan, rank: int) -> int:
 def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: dict, local_bytes: dict, tmp: str,
                repeat: int) -> dict:
     """Best of ``repeat`` for each method. The methods are interleaved within each repetition
-    (DCP, the three Nereus variants in rotating order, raw), so a change of machine load hits
-    all of them alike;
+    (DCP, the three Nereus variants in rotating order, raw, the two floors), so a change of
+    machine load hits all of them alike;
     each Nereus run starts from a fresh copy of A. Outside the timed regions, DCP's checkpoint
     is deleted and ``os.sync`` flushes pending writes, so DCP's write-back does not run during
     the next method's measurement."""
@@ -196,44 +197,35 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
 
-    def floor():
-        """raw, plus what any transition that verifies must do besides moving the bytes: a
-        checksum of every distinct byte sent (sender; a region going to several peers once) and
-        of every byte received (receiver), and the local copies; on preallocated buffers, in
-        8 MB chunks hashed right before posting and right after arriving (bytes in cache), no
-        Nereus code, none of its packing of small pieces."""
-        chunk = (8 << 20) // 4
-        rchunks = [(p, c) for p, t in sorted(recvs.items()) for c in t.split(chunk)]
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, c, p) for p, c in rchunks]) if rchunks else []
-        hashed = 0
-        for p, t in sorted(sends.items()):
-            for c in t.split(chunk):
-                if hashed < unique_send:
-                    checksum(c)
-                    hashed += c.numel() * c.element_size()
-                works += dist.batch_isend_irecv([dist.P2POp(dist.isend, c, p)])
-        local_dst.copy_(local_src)
-        for i, (_, c) in enumerate(rchunks):
-            works[i].wait()
-            checksum(c)
-        for w in works[len(rchunks):]:
-            w.wait()
-
-    def floor_messages():
-        """floor() with Nereus's messages for this transition instead of 8 MB ones (a message
-        sent in place to several peers checksummed once, as Nereus does)."""
-        works = [pg.recv([b], p, 1 << 20) for p, b in msg_recvs]
-        sent = []
-        for i, (p, b) in enumerate(msg_sends):
-            if i in hash_at:
+    def verified_exchange(out: list, inc: list, hash_at: set[int]):
+        """A floor: the messages ``out``/``inc`` ((peer, flat buffer)) posted straight on the
+        process group, receives first; a checksum of each send in ``hash_at`` right before it is
+        posted and of every receive as it arrives (bytes in cache); the local copies while the
+        bytes move. No Nereus code, none of its packing of small pieces."""
+        def run():
+            works = [pg.recv([b], p, 1 << 20) for p, b in inc]
+            sent = []
+            for i, (p, b) in enumerate(out):
+                if i in hash_at:
+                    checksum(b)
+                sent.append(pg.send([b], p, 1 << 20))
+            local_dst.copy_(local_src)
+            for w, (_, b) in zip(works, inc):
+                w.wait()
                 checksum(b)
-            sent.append(pg.send([b], p, 1 << 20))
-        local_dst.copy_(local_src)
-        for w, (_, b) in zip(works, msg_recvs):
-            w.wait()
-            checksum(b)
-        for w in sent:
-            w.wait()
+            for w in sent:
+                w.wait()
+        return run
+
+    # "floor": raw's bytes in 8 MB messages, every distinct byte sent checksummed once (a region
+    # going to several peers once, as Nereus does: the first unique_send bytes of the sends)
+    chunk = (8 << 20) // 4
+    chunk_sends = [(p, c) for p, t in sorted(sends.items()) for c in t.split(chunk)]
+    chunk_recvs = [(p, c) for p, t in sorted(recvs.items()) for c in t.split(chunk)]
+    starts = itertools.accumulate((c.numel() * c.element_size() for _, c in chunk_sends), initial=0)
+    floor = verified_exchange(chunk_sends, chunk_recvs, {i for i, at in enumerate(starts) if at < unique_send})
+    # "floor, Nereus's messages": the same with the messages Nereus posted for this transition
+    floor_messages = verified_exchange(msg_sends, msg_recvs, hash_at)
 
     variants = ("nereus", "nereus_rounds", "nereus_no_verify")
     times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", "floor", "floor_messages", "alloc_fill",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +76,7 @@ class ApplyReport:
 class _NewLayout:
     """The rank's destination regions being filled, with an element count per region."""
 
-    def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int) -> None:
+    def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -> None:
         kept = {h.region for h in plan.kept if h.gpu == rank}
         self.tensors: dict[Region, torch.Tensor] = {}
         self.filled: dict[Region, int] = {}
@@ -96,8 +96,7 @@ class _NewLayout:
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
         held = sorted(kept)
         self.relocated = [r for r, move in zip(held, mostly_dead([self.tensors[r] for r in held])) if move]
-        self.tensors.update(empty_regions(fresh + self.relocated, TORCH_DTYPES, store.device,
-                                          {(m, t): d for m, t, d in plan.major}))
+        self.tensors.update(empty_regions(fresh + self.relocated, TORCH_DTYPES, store.device, major))
         for r in self.relocated:
             self.tensors[r].copy_(store.get(r))
         self.relocated_bytes = sum(r.nbytes for r in self.relocated)
@@ -163,9 +162,8 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     outgoing message right after this rank checksummed it; while the bytes move, the local
     copies and the previous exchange's comparison run. Every incoming message is checksummed as
     it arrives (bytes still in cache); one small message per peer, posted right after the data,
-    carries the sender's checksums. Returns the
-    comparison of this exchange's received messages with their senders' checksums (run by the
-    next exchange, or after the last)."""
+    carries the sender's checksums. Returns the comparison of this exchange's received messages
+    with their senders' checksums (run by the next exchange, or after the last)."""
     t0 = time.perf_counter()
     incoming = 0
     local: list[tuple] = []
@@ -191,8 +189,7 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     for peer, values in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
     sums_in: dict[int, torch.Tensor] = {}
-    for peer in sorted({peer for peer, _ in recvs}):
-        n = sum(1 for p, _ in recvs if p == peer)
+    for peer, n in sorted(Counter(peer for peer, _ in recvs).items()):
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
     posted_sums = transport.start()
@@ -245,12 +242,12 @@ STAGING_BYTES = 256 << 20
 """Default bound on one rank's staging buffers in one exchange (see ``round_groups``)."""
 
 
-def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int, bucket_bytes: int):
+def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int, bucket_bytes: int,
+             major: dict[tuple[str, str], int]):
     """This rank's part of the plan: per round, ("send", peer, wire view, bytes), ("recv", peer,
     wire view, bytes) and ("copy", source view, target view, bytes) items in op-id order, and
     the bytes per round that go through a staging buffer here (pieces below ``bucket_bytes``,
     packed per peer, and pieces that are not one dense block in storage order)."""
-    major = {(m, t): d for m, t, d in plan.major}
     items: dict[int, list[tuple]] = defaultdict(list)
     staged = [0] * plan.rounds
     for op in plan.ops:  # sorted by (round, op id)
@@ -320,8 +317,9 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     staged = [0] * plan.rounds
     items: dict | None = None
     try:
-        new = _NewLayout(store, plan, rank)
-        items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes)
+        major = {(m, t): d for m, t, d in plan.major}  # (model, tensor) -> dim stored outermost
+        new = _NewLayout(store, plan, rank, major)
+        items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes, major)
         new.check_complete(rank)  # the plan covers every new element exactly once: else stop before any byte moves
         counters["copied"] += new.relocated_bytes
         counters["allocate_s"] = time.perf_counter() - t0

@@ -257,7 +257,7 @@ class DistTransport(Transport):
         try:
             return dist_batch(ops)
         except RuntimeError as e:
-            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+            raise self._failed("point-to-point exchange", e) from e
 
     def _direct(self, post, items: list) -> list:
         """gloo: one send/recv per message straight on the process group (what ``isend`` and
@@ -265,7 +265,7 @@ class DistTransport(Transport):
         try:
             return [post([buf], self._group_rank[peer], self.tag) for peer, buf in items]
         except RuntimeError as e:
-            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+            raise self._failed("point-to-point exchange", e) from e
 
     def _post_recvs(self, recvs: list) -> list:  # streaming (gloo) only: NCCL posts through _post_together
         return [[w] for w in self._direct(self._pg.recv, recvs)]
@@ -273,16 +273,23 @@ class DistTransport(Transport):
     def _post_sends(self, sends: list) -> list:
         return self._direct(self._pg.send, sends)
 
-    def _wait(self, works: list, timeout_s: float) -> None:
+    def _failed(self, what: str, e: RuntimeError) -> TransitionError:
+        return TransitionError(f"rank {self.rank}: {what} failed: {str(e).splitlines()[0]}")
+
+    def _limit(self, timeout_s: float) -> timedelta:
         limit = self._limits.get(timeout_s)
         if limit is None:
             limit = self._limits[timeout_s] = timedelta(seconds=timeout_s)
+        return limit
+
+    def _wait(self, works: list, timeout_s: float) -> None:
+        limit = self._limit(timeout_s)
         try:
             for w in works:
                 if not w.wait(limit):
                     raise TransitionError(f"rank {self.rank}: a peer did not answer within {timeout_s:g} s")
         except RuntimeError as e:
-            raise TransitionError(f"rank {self.rank}: point-to-point exchange failed: {str(e).splitlines()[0]}") from e
+            raise self._failed("point-to-point exchange", e) from e
 
     def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         import torch.distributed as dist
@@ -292,10 +299,10 @@ class DistTransport(Transport):
             t = t.cuda()
         try:
             w = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            if not w.wait(timedelta(seconds=timeout_s)):
+            if not w.wait(self._limit(timeout_s)):
                 raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s")
         except RuntimeError as e:
-            raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) failed: {str(e).splitlines()[0]}") from e
+            raise self._failed("collective (commit vote or agreement)", e) from e
         return t.tolist()
 
 
