@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     from nereus.executor.store import CHECKSUM_IMPL
     from nereus.executor.launch import launch
     from nereus.executor.scenario import local_cluster, make_plan, restrict, tiny_job
-    from nereus.planner.transition import plan_transition
+    from nereus.planner.transition.build import plan_transition
 
     model = bench_model(args.layers, args.hidden)
     job = tiny_job(model)

@@ -2,7 +2,7 @@
 
 Everything here is a simulation: step and transition times come from nereus' ground-truth model
 (the analytic cost model with other efficiencies per stage + seeded noise, see
-nereus/planner/sim/groundtruth.py), not from GPUs. Nothing was tuned to hit the published numbers:
+nereus/simulator/groundtruth.py), not from GPUs. Nothing was tuned to hit the published numbers:
 the traces are the shipped ones (sources in their header comments), the jobs are examples/ppo-8b.yaml
 as shipped and, for the 1,024-GPU run, the same job with DAPO's published batch (512 prompts x 16
 samples), because 1,024 sequences per step on 1,024 GPUs is one sequence per GPU.
@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nereus.planner.sim.simulate import simulate  # noqa: E402
-from nereus.planner.sim.trace import load_trace  # noqa: E402
+from nereus.simulator.simulate import simulate  # noqa: E402
+from nereus.simulator.trace import load_trace  # noqa: E402
 from nereus.planner.specs import BatchSpec, load_cluster, load_job  # noqa: E402
 
 PUBLISHED = {"latency_reduction_vs_static": 0.277, "transitions": 6, "transition_overhead": 0.00079,

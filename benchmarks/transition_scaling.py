@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from nereus.planner.solver import PlanProblem, solve  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
-from nereus.planner.transition import build_transition, transition_cost  # noqa: E402
+from nereus.planner.transition.build import build_transition, transition_cost  # noqa: E402
 
 JOBS = {"llama-3.1-8b": "examples/ppo-8b.yaml", "llama-3.1-70b": "examples/ppo-70b.yaml"}
 GPUS = (64, 256, 1024)

@@ -60,7 +60,7 @@ whatif.pivot(index="gpus", columns="gpu", values="step_s").round(1)"""),
         ("code", """ax = whatif.pivot(index="gpus", columns="gpu", values="samples_per_s").plot(marker="o", logx=True)
 ax.set_ylabel("predicted samples / s"); ax.set_title("8B PPO throughput vs cluster size (model prediction)");"""),
         ("md", "## Memory breakdown of the chosen plan (per GPU, GiB)"),
-        ("code", """from nereus.planner.cost import estimate
+        ("code", """from nereus.planner.cost.model import estimate
 parts = []
 for s in sol.plan.stages:
     e = estimate(job8, load_cluster(EX / "cluster-h100-4n.yaml"), s.name, s.config)
@@ -129,7 +129,7 @@ on 4 DGX-H100 nodes; analytic cost model and transition planner (predictions).""
 from dataclasses import replace
 from nereus.planner.specs import load_job, load_cluster, ClusterSpec
 from nereus.planner.solver import PlanProblem, solve, evaluate_plan
-from nereus.planner.transition import plan_transition
+from nereus.planner.transition.build import plan_transition
 job = load_job(EX / "ppo-8b.yaml"); cluster = load_cluster(EX / "cluster-h100-4n.yaml")
 CAP = 32768
 def workload(m): return job.workload().with_lengths(mean=m, max_=CAP)

@@ -41,7 +41,7 @@ def adapt(configs: tuple) -> tuple:
 
 def _engines(rank: int, world: int, configs: tuple, seed: int, device: str) -> dict:
     """(tp, pp, dp, micro_batch) -> this rank's Engine, built collectively in config order."""
-    from nereus.calibration.stages import TIMED_MODEL
+    from nereus.calibration.subject import TIMED_MODEL
     from nereus.executor.engine import Engine
     from nereus.executor.scenario import make_plan
     from nereus.executor.store import ShardStore
@@ -68,7 +68,7 @@ def time_configs(rank: int, world: int, configs: tuple, reps: int, seed: int, de
 
     from nereus.calibration.clock import Stopwatch, world_device_time
     from nereus.calibration.spawn import tick
-    from nereus.calibration.stages import TIMED_MODEL
+    from nereus.calibration.subject import TIMED_MODEL
 
     if not dist.is_initialized():
         raise RuntimeError("the executor backend runs inside a calibration world (stages.measure)")

@@ -205,8 +205,8 @@ def fit_from_logs(table: LogTable, job: Any, cluster: Any, configs: Mapping[str,
     from dataclasses import replace as _replace
 
     from nereus.calibration.fit import fit_positive, mape
-    from nereus.planner.cost import estimate
-    from nereus.planner.cost_params import STAGES, CostParams
+    from nereus.planner.cost.model import estimate
+    from nereus.planner.cost.params import STAGES, CostParams
 
     base = params or CostParams()
     base = base.with_stage_factors(**{s: 1.0 for s in STAGES})

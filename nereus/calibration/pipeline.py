@@ -18,7 +18,7 @@ from nereus.calibration.fit import (AlphaBetaFit, SaturatingFit, fit_alpha_beta,
                                     heldout_mask, mape)
 from nereus.calibration.microbench import COLLECTIVE_OPS, compute_dtype, cpu_nominal_tflops
 from nereus.calibration.profile import Hardware
-from nereus.planner.cost_params import CostParams, allgather_s, allreduce_s, p2p_s
+from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, p2p_s
 from nereus.planner.specs import GPU_PRESETS
 
 

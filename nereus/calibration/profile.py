@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from nereus.errors import SpecError
 from nereus.jsonio import check_keys, read_json
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import GPU_PRESETS, ClusterSpec, GPUSpec
 
 PROFILE_VERSION = 1

@@ -14,6 +14,7 @@ import pandas as pd
 
 from nereus.calibration import microbench, pipeline, stages
 from nereus.calibration.profile import Profile, utc_now
+from nereus.calibration.subject import TIMED_MODEL
 
 
 def choose_backend(requested: str = "auto", device: str = "cpu") -> str:
@@ -87,7 +88,7 @@ def calibrate_local(quick: bool = False, world: int = 2, device: str | None = No
                  "through the cost model's formulas; curves = each microbenchmark's own fitted curve"),
         "microbench": {"curves": pipeline.curves_to_dict(micro["curves"]), "summary": micro["summary"],
                        "heldout_table": micro["table"].to_dict("records")},
-        "stages": {"backend": backend, "model": stages.TIMED_MODEL.to_dict(), "timing_world": tw,
+        "stages": {"backend": backend, "model": TIMED_MODEL.to_dict(), "timing_world": tw,
                    "fit": st["fit"], "summary": st["summary"], "configs_fit": int((~sdf["heldout"]).sum()),
                    "configs_heldout": int(sdf["heldout"].sum()), "heldout_table": st["table"].to_dict("records")},
         "wall_s": wall,

@@ -25,14 +25,12 @@ import pandas as pd
 
 from nereus.calibration.fit import fit_positive, mape
 from nereus.calibration.profile import Hardware
+from nereus.calibration.subject import TIMED_MODEL
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost import estimate
-from nereus.planner.cost_params import STAGES, CostParams
+from nereus.planner.cost.model import estimate
+from nereus.planner.cost.params import STAGES, CostParams
 from nereus.planner.specs import BatchSpec, JobSpec, ParallelConfig, SequenceSpec, Workload
 
-TIMED_MODEL = ModelSpec(name="calib-4l-256h", layers=4, hidden=256, ffn=768, heads=8, kv_heads=4, head_dim=32,
-                        vocab=2048, dtype_bytes=4)
-"""Small enough for a 2-core CPU, large enough that matmuls (not Python) dominate a forward."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

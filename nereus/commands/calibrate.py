@@ -73,7 +73,7 @@ def _run_logs(args: argparse.Namespace) -> int:
     from nereus.calibration.logs import fit_from_logs, read_log
     from nereus.calibration.profile import Hardware, Profile, load_profile, utc_now
     from nereus.errors import SpecError
-    from nereus.planner.cost_params import CostParams
+    from nereus.planner.cost.params import CostParams
     from nereus.planner.specs import ParallelConfig, load_cluster, load_job
 
     if not (args.job and args.cluster):

@@ -19,7 +19,7 @@ def add_job_cluster(p: argparse.ArgumentParser, profile: bool = True) -> None:
 
 
 def load_specs(args: argparse.Namespace):
-    from nereus.planner.cost_params import CostParams
+    from nereus.planner.cost.params import CostParams
     from nereus.planner.specs import load_cluster, load_job
 
     job = load_job(args.job)

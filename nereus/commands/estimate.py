@@ -26,7 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from nereus.planner.cost import estimate
+    from nereus.planner.cost.model import estimate
     from nereus.planner.specs import ParallelConfig
 
     job, cluster, params = load_specs(args)

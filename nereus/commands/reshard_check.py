@@ -52,7 +52,7 @@ def _label(plan) -> str:
 
 def _make_cases(args, job):
     from nereus.executor.scenario import local_cluster
-    from nereus.planner.transition import plan_transition
+    from nereus.planner.transition.build import plan_transition
 
     rng = random.Random(args.seed)
     model, cases = job.model("actor"), []

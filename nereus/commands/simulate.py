@@ -32,9 +32,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from nereus.planner.sim.policies import POLICIES
-    from nereus.planner.sim.simulate import simulate
-    from nereus.planner.sim.trace import load_trace
+    from nereus.simulator.policies import POLICIES
+    from nereus.simulator.simulate import simulate
+    from nereus.simulator.trace import load_trace
 
     job, cluster, params = load_specs(args)
     trace = load_trace(args.trace)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nereus.planner.plan import Plan
     from nereus.planner.specs import load_cluster, load_job
-    from nereus.planner.transition import build_transition, describe
+    from nereus.planner.transition.build import build_transition, describe
 
     job, cluster = load_job(args.job), load_cluster(args.cluster)
     a, b = Plan.load(args.plan_from), Plan.load(args.plan_to)

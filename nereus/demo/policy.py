@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nereus.demo.setup import DemoConfig, cap_at
-from nereus.planner.controller import Controller, StepMetrics
+from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.plan import Plan
-from nereus.planner.plan_cache import LayoutRule, PlanCache, static_rule
+from nereus.planner.online.plan_cache import LayoutRule, PlanCache, static_rule
 from nereus.planner.solver.problem import CandidateSettings
 
 GiB = 1024**3

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import BatchSpec, ClusterSpec, GPUSpec, JobSpec, SequenceSpec
 
 MiB = 1024**2

@@ -80,7 +80,7 @@ class _Sync:
     def plan_for(self, plan: Plan):
         """Rank 0 plans (torch-free planner) once per layout pair; other ranks get it broadcast."""
         from nereus.executor.scenario import restrict
-        from nereus.planner.transition import plan_transition
+        from nereus.planner.transition.build import plan_transition
 
         key = plan.layout_key()
         if key not in self.cache:
@@ -220,7 +220,7 @@ class _Run:
 
     def _answer(self, decision):
         """(new plan or None, transition plan or None, audit fields) on rank 0."""
-        from nereus.planner.transition import plan_transition
+        from nereus.planner.transition.build import plan_transition
 
         info = {"decision": decision.action, "reason": decision.reason, "must": decision.must,
                 "predicted_cost_s": decision.predicted_cost_s, "controller_s": decision.overhead_s}

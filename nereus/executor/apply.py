@@ -30,7 +30,7 @@ from nereus.gcpause import gc_paused
 from nereus.executor.arena import empty_regions, mostly_dead, trim_cache
 from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, narrowed
 from nereus.executor.transport import Transport
-from nereus.planner.transition_types import Region, TransferOp, TransitionPlan
+from nereus.planner.transition.types import Region, TransferOp, TransitionPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,7 +30,7 @@ from collections import defaultdict
 
 import torch
 
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.types import Region
 
 ALIGN = 64
 """Byte alignment of each region inside an arena."""

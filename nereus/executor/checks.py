@@ -16,7 +16,7 @@ from nereus.executor.scenario import init_store, mismatches, reference_logits
 from nereus.executor.store import ShardStore
 from nereus.planner.plan import Plan
 from nereus.planner.specs import JobSpec
-from nereus.planner.transition_types import TransitionPlan
+from nereus.planner.transition.types import TransitionPlan
 
 
 def batch(model_vocab: int, rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from nereus.executor.transport import DistTransport, Transport
 from nereus.models.inventory import pp_layer_range, split_range
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import StagePlacement
-from nereus.planner.transition_types import TransitionPlan
+from nereus.planner.transition.types import TransitionPlan
 
 
 class Engine:

@@ -1,9 +1,11 @@
-"""Which slices of which tensors one rank holds under one model-stage placement.
+"""What one rank holds under one placement, asked of the planner's EMU code, plus the one thing
+that needs torch: laying a tensor out in the store's storage order.
 
-This mirrors the planner's EMU construction (``nereus.planner.emu.holdings``) from the same tensor
-inventory, so the executor can index its shard store without importing the solver. It computes no
-plan: it only answers "what does rank r hold in placement P", which the engine needs to rebuild
-the model from the store. A test checks it equals the planner's holdings.
+The rule for which regions a GPU holds lives once, in ``nereus.planner.transition.emu.gpu_regions``
+(torch- and solver-free, so the executor may import it); here it is only adapted to the
+executor's arguments (a trainable model carries fp32 params and Adam moments, a frozen one
+params only) and guarded: ZeRO-3 (parameters sharded along DP) is planned but not executed, and
+is refused with the same message in ``Engine`` and ``scenario``.
 
 Worked example (tiny-4l-128h, tp=2, dp=2, zero=1): ``layers.0.mlp.up_proj.weight`` is [256, 128]
 split on dim 0, so TP rank 1 holds rows [128, 256); its ZeRO-1 optimizer state is split again on
@@ -15,10 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.models.inventory import TensorInfo, split_range, stage_tensors, storage_dims, tp_shard
+from nereus.errors import SpecError
+from nereus.models.inventory import storage_dims
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import StagePlacement
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.emu import dp_sharded, gpu_regions, rank_coords
+from nereus.planner.transition.types import Region
 
 OPT_KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -34,51 +38,28 @@ class Coords:
     @classmethod
     def of(cls, placement: StagePlacement, gpu: int) -> "Coords | None":
         """None when ``gpu`` is not in the placement's pool (it then holds nothing)."""
-        local = gpu - placement.first_gpu
-        if not 0 <= local < placement.gpus:
-            return None
+        co = rank_coords(placement, gpu)
+        return None if co is None else cls(tp_rank=co[0], pp_rank=co[1], dp_rank=co[2])
+
+
+def check_executable(placement: StagePlacement) -> None:
+    """Refuse what the executor cannot run: ZeRO-3 shards parameters along DP, which the engine's
+    forward (whole TP shards on every DP rank) does not support."""
+    if dp_sharded("param", placement):
         c = placement.config
-        return cls(tp_rank=local % c.tp, dp_rank=(local // c.tp) % c.dp, pp_rank=local // (c.tp * c.dp))
-
-
-def param_region(role: str, t: TensorInfo, tp: int, tp_rank: int, kind: str = "param",
-                 dtype: str = "fp32") -> Region:
-    """The TP shard of ``t`` (whole tensor when replicated) as an absolute region."""
-    dim, off, n = tp_shard(t, tp, tp_rank)
-    offsets = [0] * len(t.shape)
-    lengths = list(t.shape)
-    if dim >= 0:
-        offsets[dim], lengths[dim] = off, n
-    return Region(role, t.name, kind, tuple(offsets), tuple(lengths), dtype)
-
-
-def zero_split(r: Region, kind: str, dp: int, dp_rank: int) -> Region | None:
-    """Rows ``split_range(rows, dp, dp_rank)`` of the TP shard ``r`` (ZeRO-1 on dim 0); None if empty."""
-    off, n = split_range(r.lengths[0], dp, dp_rank)
-    if n == 0:
-        return None
-    return Region(r.model, r.tensor, kind, (r.offsets[0] + off,) + r.offsets[1:], (n,) + r.lengths[1:], r.dtype)
+        raise SpecError(f"{placement.name}: ZeRO-3 (zero={c.zero}, dp={c.dp}) shards parameters along DP; "
+                            f"the executor supports ZeRO 0-2 only")
 
 
 def rank_regions(model: ModelSpec, placement: StagePlacement, gpu: int, role: str = "actor",
                  trainable: bool = True, dtype: str = "fp32") -> tuple[Region, ...]:
     """Every region (params, and Adam moments when trainable) ``gpu`` holds in ``placement``."""
-    co = Coords.of(placement, gpu)
+    check_executable(placement)
+    co = rank_coords(placement, gpu)
     if co is None:
         return ()
-    c = placement.config
-    out: list[Region] = []
-    for t in stage_tensors(model, c.pp, co.pp_rank):
-        p = param_region(role, t, c.tp, co.tp_rank, dtype=dtype)
-        out.append(p)
-        if not trainable:
-            continue
-        for kind in OPT_KINDS:
-            r = (zero_split(p, kind, c.dp, co.dp_rank) if c.zero >= 1 and c.dp > 1
-                 else Region(role, t.name, kind, p.offsets, p.lengths, dtype))
-            if r is not None:
-                out.append(r)
-    return tuple(out)
+    kinds = (("param", dtype),) + (tuple((k, dtype) for k in OPT_KINDS) if trainable else ())
+    return tuple(gpu_regions(model, role, placement, co[0], co[1], co[2], kinds))
 
 
 def in_storage_order(t: torch.Tensor, dim: int) -> torch.Tensor:

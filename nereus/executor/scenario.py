@@ -15,7 +15,7 @@ from nereus.models.inventory import tensor_inventory
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import TRAINABLE, BatchSpec, ClusterSpec, GPU_PRESETS, JobSpec, ParallelConfig, SequenceSpec
-from nereus.planner.transition_types import Region, TransitionPlan
+from nereus.planner.transition.types import Region, TransitionPlan
 
 ROLE_SEED = {"actor": 0, "ref": 7919}
 

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from nereus.errors import TransitionError
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.types import Region
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

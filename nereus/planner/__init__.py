@@ -1,7 +1,7 @@
-"""Torch-free planning: specs, cost model, plan solvers, EMUs and transition graphs, controller,
-simulator. Importing this package must never import torch (tests/unit/test_imports.py)."""
-from nereus.planner.cost import StageEstimate, estimate, weight_sync_s
-from nereus.planner.cost_params import CostParams
+"""Torch-free planning: specs and plans (here), the cost model (``cost/``), the plan solvers
+(``solver/``), EMUs and transitions (``transition/``) and online control (``online/``). Importing this package must never import torch (tests/unit/test_imports.py)."""
+from nereus.planner.cost.model import StageEstimate, estimate, weight_sync_s
+from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import (ClusterSpec, GPUSpec, JobSpec, ParallelConfig, Workload, load_cluster,
                                   load_job)
 

@@ -7,7 +7,7 @@ from nereus.executor.checks import train_run
 from nereus.executor.launch import launch
 from nereus.executor.scenario import local_cluster, make_plan, tiny_job
 from nereus.models.spec import preset
-from nereus.planner.transition import plan_transition
+from nereus.planner.transition.build import plan_transition
 
 pytestmark = pytest.mark.dist
 JOB = tiny_job(preset("tiny-4l-128h"))

@@ -3,7 +3,7 @@ import torch
 
 from nereus.executor import arena
 from nereus.executor.store import TORCH_DTYPES
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.types import Region
 
 
 def _regions(n=3):

@@ -9,7 +9,8 @@ import torch
 from nereus.calibration import microbench as mb
 from nereus.calibration.clock import Stopwatch, corrected, run_delay_s
 from nereus.calibration.reference import PlainLM
-from nereus.calibration.stages import TIMED_MODEL, StageConfig, heldout_configs, measure, predict, stage_grid
+from nereus.calibration.stages import StageConfig, heldout_configs, measure, predict, stage_grid
+from nereus.calibration.subject import TIMED_MODEL
 
 TINY = mb.BenchGrid(matmul_mnk=((32, 32, 32), (64, 64, 64), (128, 64, 64)), matmul_dtypes=("float32",),
                     copy_bytes=(1 << 20, 1 << 21, 1 << 22), comm_bytes=(1024, 16384, 262144), reps=2, budget_s=0.01)

@@ -9,7 +9,7 @@ from nereus.calibration.fit import (FitError, fit_alpha_beta, fit_positive, fit_
                                     ring_coeffs)
 from nereus.calibration.profile import Hardware
 from nereus.calibration.stages import StageConfig, fit_stage_params, predict
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 
 
 def close(a, b, tol=0.02):

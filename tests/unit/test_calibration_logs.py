@@ -8,7 +8,7 @@ import pytest
 
 from nereus.calibration.logs import fit_from_logs, read_log, row_workload
 from nereus.errors import SpecError
-from nereus.planner.cost import estimate
+from nereus.planner.cost.model import estimate
 from nereus.planner.specs import ParallelConfig, load_cluster, load_job
 
 JOB, CLUSTER = "examples/ppo-8b.yaml", "examples/cluster-h100-4n.yaml"

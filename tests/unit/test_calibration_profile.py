@@ -6,7 +6,7 @@ import pytest
 
 from nereus.calibration.profile import SHIPPED, Hardware, Profile, analytic_profile, estimate_table, load_profile
 from nereus.errors import SpecError
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import GPU_PRESETS
 
 

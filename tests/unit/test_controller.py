@@ -3,10 +3,10 @@ import math
 
 import pytest
 
-from nereus.planner.adapters import from_verl
-from nereus.planner.controller import Controller, StepMetrics
-from nereus.planner.forecast import LengthForecaster
-from nereus.planner.sim.groundtruth import GroundTruth
+from nereus.planner.online.adapters import from_verl
+from nereus.planner.online.controller import Controller, StepMetrics
+from nereus.planner.online.forecast import LengthForecaster
+from nereus.simulator.groundtruth import GroundTruth
 from nereus.planner.specs import load_cluster, load_job
 
 EX = "examples/"
@@ -123,7 +123,7 @@ def test_verl_adapter_maps_metric_names():
 
 
 def test_audit_log_records_every_decision_with_its_numbers(setup, tmp_path):
-    from nereus.planner.audit import read_audit
+    from nereus.planner.online.audit import read_audit
 
     job, cluster, gt = setup
     path = tmp_path / "audit.jsonl"
@@ -146,7 +146,7 @@ def tight_transitions(monkeypatch):
     kept until commit (keep-old peak 1.5x capacity)."""
     import dataclasses
 
-    import nereus.planner.transition as T
+    import nereus.planner.transition.build as T
 
     real = T.plan_transition
 

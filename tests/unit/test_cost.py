@@ -3,8 +3,8 @@ import math
 import pytest
 
 from nereus.models import preset
-from nereus.planner.cost import decode_step_s, estimate, model_state_bytes, params_per_gpu, weight_sync_s
-from nereus.planner.cost_params import CostParams, allreduce_s, p2p_s
+from nereus.planner.cost.model import decode_step_s, estimate, model_state_bytes, params_per_gpu, weight_sync_s
+from nereus.planner.cost.params import CostParams, allreduce_s, p2p_s
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
 
 GiB = 1024**3

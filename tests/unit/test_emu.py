@@ -4,11 +4,11 @@ from hypothesis import given, settings, strategies as st
 
 from nereus.models.inventory import tensor_inventory
 from nereus.models.spec import ModelSpec, preset
-from nereus.planner.emu import build_emus, head_of, holdings
+from nereus.planner.transition.emu import build_emus, head_of, holdings
 from nereus.planner.plan import Plan, StagePlacement
-from nereus.planner.regions import covers_exactly
+from nereus.planner.transition.regions import covers_exactly
 from nereus.planner.specs import BatchSpec, JobSpec, ParallelConfig, SequenceSpec
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.types import Region
 
 ROLES_STAGES = {"actor": "actor/training", "critic": "critic/training", "ref": "ref/inference", "reward": "reward/inference"}
 

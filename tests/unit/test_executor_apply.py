@@ -16,9 +16,9 @@ from nereus.executor.scenario import init_store, local_cluster, make_plan, misma
 from nereus.executor.store import ShardStore, checksum, narrowed, region_slices
 from nereus.executor.transport import MockHub, MockTransport
 from nereus.models.spec import preset
-from nereus.planner.emu import holdings
-from nereus.planner.transition import plan_transition
-from nereus.planner.transition_types import Holding, Region
+from nereus.planner.transition.emu import holdings
+from nereus.planner.transition.build import plan_transition
+from nereus.planner.transition.types import Holding, Region
 
 JOB = tiny_job(preset("tiny-4l-128h"))
 
@@ -87,6 +87,17 @@ def test_layout_matches_planner_holdings(kw):
     mine = sorted(Holding(g, r) for role in JOB.roles for g in range(4)
                   for r in rank_regions(JOB.model(role), plan.home(role), g, role, role == "actor"))
     assert tuple(mine) == holdings(JOB, plan, mixed_precision=False)
+
+
+def test_executor_refuses_zero3_instead_of_holding_a_different_layout():
+    """ZeRO-3 shards params along DP in the planner's holdings; the executor cannot run that, so it
+    says so (it used to build whole TP shards silently, a layout the planner's transitions never target)."""
+    from nereus.errors import SpecError
+
+    plan = make_plan(dp=2, zero=3)
+    with pytest.raises(SpecError, match=r"ZeRO-3 \(zero=3, dp=2\)"):
+        rank_regions(JOB.model("actor"), plan.home("actor"), 0, "actor", True)
+    assert rank_regions(JOB.model("actor"), make_plan(dp=2, zero=2).home("actor"), 0, "actor", True)
 
 
 class CorruptingTransport(MockTransport):

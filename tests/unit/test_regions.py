@@ -2,8 +2,8 @@
 difference, exact coverage, BoxIndex against brute force)."""
 from hypothesis import given, settings, strategies as st
 
-from nereus.planner.regions import BoxIndex, contains, covers_exactly, difference, intersect, region_intersection, volume
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.regions import BoxIndex, contains, covers_exactly, difference, intersect, region_intersection, volume
+from nereus.planner.transition.types import Region
 
 
 def test_worked_examples():

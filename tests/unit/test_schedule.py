@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nereus.errors import TransitionError
 
 from nereus.planner.plan import Plan, StagePlacement
-from nereus.planner.schedule import ScheduleProblem, greedy, lower_bound, replay_peak, schedule_transition
+from nereus.planner.transition.schedule import ScheduleProblem, greedy, lower_bound, replay_peak, schedule_transition
 from nereus.planner.specs import ParallelConfig, load_cluster, load_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def _plan(stages) -> Plan:
 
 
 def test_benchmark_transition_8b_256_gpus_within_1_10_of_the_bound():
-    from nereus.planner.transition import build_transition
+    from nereus.planner.transition.build import build_transition
 
     job = load_job(ROOT / "examples/ppo-8b.yaml")
     cluster = load_cluster(ROOT / "examples/cluster-h100-128n.yaml").with_gpus(256)

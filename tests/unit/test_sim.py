@@ -4,8 +4,8 @@ import json
 import pytest
 
 from nereus.cli import main
-from nereus.planner.sim.simulate import simulate
-from nereus.planner.sim.trace import parse_trace
+from nereus.simulator.simulate import simulate
+from nereus.simulator.trace import parse_trace
 from nereus.planner.specs import load_cluster, load_job
 
 TRACE = """# test trace: growing lengths, a cap raise and a GPU jump

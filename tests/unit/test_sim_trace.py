@@ -1,7 +1,7 @@
 import pytest
 
 from nereus.errors import SpecError
-from nereus.planner.sim.trace import load_trace, parse_trace
+from nereus.simulator.trace import load_trace, parse_trace
 from nereus.planner.specs import Workload
 
 CSV = """# source: test

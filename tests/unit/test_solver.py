@@ -121,7 +121,7 @@ def _ppo8b(gpus: int, mean: float, max_len: int) -> PlanProblem:
 
 
 def test_longer_responses_raise_generation_memory_and_sharding():
-    from nereus.planner.cost import estimate
+    from nereus.planner.cost.model import estimate
 
     results = []
     for mean in (1024, 4096, 16384):

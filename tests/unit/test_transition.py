@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nereus.errors import TransitionError
 from nereus.models.spec import ModelSpec
-from nereus.planner.emu import holdings
+from nereus.planner.transition.emu import holdings
 from nereus.planner.plan import Plan, StagePlacement
-from nereus.planner.regions import contains, covers_exactly
+from nereus.planner.transition.regions import contains, covers_exactly
 from nereus.planner.specs import GPU_PRESETS, BatchSpec, ClusterSpec, JobSpec, ParallelConfig, SequenceSpec
-from nereus.planner.transition import build_transition, describe, plan_transition, transition_cost
+from nereus.planner.transition.build import build_transition, describe, plan_transition, transition_cost
 
 HOME = {"actor": "actor/training", "critic": "critic/training", "ref": "ref/inference", "reward": "reward/inference"}
 CLUSTER = ClusterSpec(gpu=GPU_PRESETS["h100-80gb"], nodes=2, gpus_per_node=4)

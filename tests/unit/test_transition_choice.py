@@ -5,7 +5,7 @@ import itertools
 from hypothesis import given, settings, strategies as st
 
 from nereus.planner.specs import GPU_PRESETS, ClusterSpec
-from nereus.planner.transition import Pieces, choose_sources
+from nereus.planner.transition.pieces import Pieces, choose_sources
 
 ONE_NODE = ClusterSpec(gpu=GPU_PRESETS["h100-80gb"], nodes=1, gpus_per_node=16)
 GROUPS = ((0, 1, 2), (3, 4), (5,))

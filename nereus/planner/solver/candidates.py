@@ -3,7 +3,7 @@
 A *unit* is one decision: trainable models run training and inference in one layout
 (``actor/training`` also covers ``actor/inference``); generation, ref and reward inference are
 units of their own. An *option* is one (pool size, parallel config, KV level) of a unit with its
-per-phase durations, resident and transient bytes per GPU, all from ``nereus.planner.cost``.
+per-phase durations, resident and transient bytes per GPU, all from ``nereus.planner.cost.model``.
 Options are pruned by memory (alone on an empty GPU) and then by dominance, so the solvers see
 only configurations that could be optimal.
 """
@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
-from nereus.planner.cost import estimate, offload_s, weight_sync_s
+from nereus.planner.cost.model import estimate, offload_s, weight_sync_s
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
 

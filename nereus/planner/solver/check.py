@@ -1,5 +1,5 @@
 """Independent plan checker: recomputes every time and memory figure of a Plan from
-``nereus.planner.cost`` GPU by GPU, without the solver's option tables or constraint code.
+``nereus.planner.cost.model`` GPU by GPU, without the solver's option tables or constraint code.
 
 Used by the tests (every solver plan must pass), the controller and the simulator (is the current
 plan still feasible for the next workload, and how fast is it).
@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from nereus.errors import SpecError
-from nereus.planner.cost import estimate, offload_s, weight_sync_s
+from nereus.planner.cost.model import estimate, offload_s, weight_sync_s
 from nereus.planner.plan import HOME_STAGE, Plan
 from nereus.planner.solver.problem import PlanEvaluation, PlanProblem
 from nereus.planner.specs import GiB

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from nereus.errors import InfeasibleError
-from nereus.planner.cost import estimate
+from nereus.planner.cost.model import estimate
 from nereus.planner.solver.candidates import GEN, build_tables, layouts, make_units
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import GiB, ParallelConfig

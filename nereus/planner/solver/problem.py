@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nereus.errors import SpecError
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 

@@ -46,13 +46,13 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     if hint is not None:
         form.set_hint(hint[1])
     if backend == "cpsat":
-        from nereus.planner.solver.cpsat import solve_linmodel
+        from nereus.planner.solver.backends import solve_cpsat
 
-        status, value, bound, _ = solve_linmodel(form.m, form.t_hi, time_limit_s, workers, seed)
+        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed)
     else:
-        from nereus.planner.solver.pulp_backend import solve_linmodel
+        from nereus.planner.solver.backends import solve_pulp
 
-        status, value, bound, _ = solve_linmodel(form.m, time_limit_s, workers, seed)
+        status, value, bound, _ = solve_pulp(form.m, time_limit_s, workers, seed)
     if value is None:
         if status == "INFEASIBLE":
             return "INFEASIBLE", None, math.inf

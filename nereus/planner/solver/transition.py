@@ -1,5 +1,5 @@
 """Transition cost used when ``PlanProblem.transition_cost`` is not given: the transition planner's
-bandwidth bound (``nereus.planner.transition.transition_cost``), or, where it cannot size the move
+bandwidth bound (``nereus.planner.transition.build.transition_cost``), or, where it cannot size the move
 (e.g. the plans span different GPU counts), bytes of every re-laid-out model state over the
 scale-out bandwidth of the smaller of the two pools."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ def bytes_over_bandwidth(problem: PlanProblem, old: Plan, new: Plan) -> float:
 def default_transition_cost(problem: PlanProblem) -> Callable[[Plan, Plan], float]:
     def cost(old: Plan, new: Plan) -> float:
         try:
-            from nereus.planner.transition import transition_cost
+            from nereus.planner.transition.build import transition_cost
 
             return float(transition_cost(old, new, problem.cluster, problem.job))
         except (ImportError, NereusError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.planner.lengths import DEFAULT_P90_OVER_MEAN
+from nereus.planner.cost.lengths import DEFAULT_P90_OVER_MEAN
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

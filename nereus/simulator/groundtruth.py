@@ -1,14 +1,14 @@
 """Ground truth for the simulator: what a step "really" takes, deliberately not the planner's model.
 
 The planner and controller see only observations drawn from here. The ground truth composes the
-analytic per-model-stage estimates (nereus.planner.cost) with *other* efficiencies per stage
+analytic per-model-stage estimates (nereus.planner.cost.model) with *other* efficiencies per stage
 (``TRUE_PARAMS``: slower training matmuls, lower HBM efficiency, slower links, more decode overhead,
 a heavier inference stage) and seeded multiplicative log-normal noise per step and model-stage, so
 online calibration has a real bias to learn. Transitions cost the makespan the transition planner
 schedules (its bandwidth bound above 128 GPUs, see ``GroundTruth``), times ``transition_slowdown``
 (the real network is slower than the planner assumes), and block the job while they run.
 
-Step composition and memory accounting: nereus.planner.plan_times (shared with the controller, which
+Step composition and memory accounting: nereus.planner.cost.plan_times (shared with the controller, which
 evaluates the same way with the planner's CostParams times its learned correction factors).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
-from nereus.planner.plan_times import PlanTimes, compose_step, evaluate_times, plan_key, workload_key
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key, workload_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 TRUE_PARAMS = CostParams(
@@ -107,7 +107,7 @@ class GroundTruth:
     def _planned_makespan(self, a: Plan, b: Plan) -> float:
         if self._transition_fn is not None:
             return self._transition_fn(a, b)
-        from nereus.planner.transition import plan_transition, transition_cost
+        from nereus.planner.transition.build import plan_transition, transition_cost
 
         big = max(a.num_gpus, b.num_gpus) > MAKESPAN_MAX_GPUS
         if self.transition == "bound" or (self.transition == "auto" and big):

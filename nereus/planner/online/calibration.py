@@ -20,7 +20,7 @@ from typing import Hashable, Mapping
 
 import numpy as np
 
-from nereus.planner.cost_params import STAGES, CostParams
+from nereus.planner.cost.params import STAGES, CostParams
 
 
 class OnlineCalibration:

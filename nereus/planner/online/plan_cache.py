@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from nereus.errors import InfeasibleError, SpecError
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 

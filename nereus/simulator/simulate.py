@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from nereus.errors import SpecError
-from nereus.planner.audit import AuditLog
-from nereus.planner.controller import StepMetrics
-from nereus.planner.cost_params import CostParams
+from nereus.planner.online.audit import AuditLog
+from nereus.planner.online.controller import StepMetrics
+from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
-from nereus.planner.plan_cache import FREE, PlanCache
-from nereus.planner.plan_times import plan_key
-from nereus.planner.sim.groundtruth import GroundTruth
-from nereus.planner.sim.oracle import segments, solve_oracle
-from nereus.planner.sim.policies import ONLINE, POLICIES, make_controller
-from nereus.planner.sim.trace import Trace
+from nereus.planner.online.plan_cache import FREE, PlanCache
+from nereus.planner.cost.plan_times import plan_key
+from nereus.simulator.groundtruth import GroundTruth
+from nereus.simulator.oracle import segments, solve_oracle
+from nereus.simulator.policies import ONLINE, POLICIES, make_controller
+from nereus.simulator.trace import Trace
 from nereus.planner.specs import ClusterSpec, JobSpec
 
 
@@ -106,7 +106,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
 
 
 def _failed(obs):
-    from nereus.planner.sim.groundtruth import Observation
+    from nereus.simulator.groundtruth import Observation
 
     return Observation({}, math.inf, False, obs.peak_mem_gib, obs.violations)
 

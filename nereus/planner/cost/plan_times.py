@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from nereus.planner.cost import estimate, params_per_gpu, weight_sync_s
-from nereus.planner.cost_params import CostParams
+from nereus.planner.cost.model import estimate, params_per_gpu, weight_sync_s
+from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import HOME_STAGE, Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 

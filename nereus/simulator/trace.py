@@ -24,7 +24,7 @@ from nereus.planner.specs import Workload
 REQUIRED = ("step", "response_len_mean", "response_len_max", "gpus")
 OPTIONAL = ("response_len_p90", "prompt_len_mean")
 SHIPPED = ("r1zero_linear", "deepscaler_staged", "ramp_1024")
-TRACE_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
+TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

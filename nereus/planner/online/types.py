@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from nereus.planner.plan import Plan
-from nereus.planner.transition_types import TransitionPlan
+from nereus.planner.transition.types import TransitionPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,9 +16,9 @@ choose (``LayoutRule``) and whether they weigh transition cost:
 from __future__ import annotations
 
 from nereus.errors import SpecError
-from nereus.planner.controller import Controller
-from nereus.planner.cost_params import CostParams
-from nereus.planner.plan_cache import FREE, LayoutRule, PlanCache, static_rule
+from nereus.planner.online.controller import Controller
+from nereus.planner.cost.params import CostParams
+from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, static_rule
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 POLICIES = ("static", "adaptive", "always", "oracle", "verl", "openrlhf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterable, Sequence
 
-from nereus.planner.transition_types import Region
+from nereus.planner.transition.types import Region
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -16,8 +16,8 @@ from typing import Mapping
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost_params import CostParams, allreduce_s, p2p_s
-from nereus.planner.lengths import response_quantiles
+from nereus.planner.cost.params import CostParams, allreduce_s, p2p_s
+from nereus.planner.cost.lengths import response_quantiles
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec, ParallelConfig, Workload
 
 GiB = 1024**3

@@ -28,9 +28,9 @@ from typing import Any, Mapping
 from nereus.models.inventory import TensorInfo, pp_layer_range, split_range, stage_tensors, tp_shard
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
-from nereus.planner.regions import Box
+from nereus.planner.transition.regions import Box
 from nereus.planner.specs import TRAINABLE, JobSpec
-from nereus.planner.transition_types import Holding, Region
+from nereus.planner.transition.types import Holding, Region
 
 OPTIMIZER_KINDS = frozenset({"master", "exp_avg", "exp_avg_sq"})
 
@@ -102,23 +102,43 @@ def stages_holding(model: ModelSpec, t: TensorInfo, pp: int, head: str) -> tuple
     return (pp - 1,)
 
 
+def rank_coords(p: StagePlacement, gpu: int) -> tuple[int, int, int] | None:
+    """(tp_rank, pp_rank, dp_rank) of ``gpu`` in placement ``p`` (Megatron order: TP fastest, then
+    DP, then PP; the inverse of ``StagePlacement.gpu_of``); None when the GPU is outside its pool."""
+    local = gpu - p.first_gpu
+    if not 0 <= local < p.gpus:
+        return None
+    c = p.config
+    return local % c.tp, local // (c.tp * c.dp), (local // c.tp) % c.dp
+
+
+def gpu_regions(model: ModelSpec, role: str, p: StagePlacement, tp_rank: int, pp_rank: int, dp_rank: int,
+                kinds: tuple[tuple[str, str], ...]) -> list[Region]:
+    """Every region the GPU at (tp_rank, pp_rank, dp_rank) of ``p`` holds of ``role``'s ``kinds``
+    ((kind, dtype) pairs, see ``kinds_of``): tensor by tensor in inventory order, kinds in the
+    given order. The one rule for what a rank holds: the planner's holdings and the executor's
+    shard store both come from here."""
+    out: list[Region] = []
+    for t in stage_tensors(model, p.config.pp, pp_rank, head_of(role)):
+        for kind, dtype in kinds:
+            box = shard_box(t, kind, p, tp_rank, dp_rank)
+            if box is not None:
+                out.append(Region(role, t.name, kind, box[0], box[1], dtype))
+    return out
+
+
 def role_holdings(job: JobSpec, role: str, p: StagePlacement, *, mixed_precision: bool = True,
                   include_optimizer: bool = True) -> list[Holding]:
     """Every region ``role``'s home placement ``p`` holds, GPU by GPU, in a fixed order."""
-    model, head = job.model(role), head_of(role)
+    model = job.model(role)
     kinds = kinds_of(role, mixed_precision=mixed_precision, include_optimizer=include_optimizer)
     c = p.config
     out: list[Holding] = []
     for pp_rank in range(c.pp):
-        tensors = stage_tensors(model, c.pp, pp_rank, head)
         for dp_rank in range(c.dp):
             for tp_rank in range(c.tp):
                 gpu = p.gpu_of(tp_rank, pp_rank, dp_rank)
-                for t in tensors:
-                    for kind, dtype in kinds:
-                        box = shard_box(t, kind, p, tp_rank, dp_rank)
-                        if box is not None:
-                            out.append(Holding(gpu, Region(role, t.name, kind, box[0], box[1], dtype)))
+                out.extend(Holding(gpu, r) for r in gpu_regions(model, role, p, tp_rank, pp_rank, dp_rank, kinds))
     return out
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.planner.plan import Plan
-from nereus.planner.sim.groundtruth import GroundTruth
-from nereus.planner.sim.trace import Trace
+from nereus.simulator.groundtruth import GroundTruth
+from nereus.simulator.trace import Trace
 from nereus.planner.specs import Workload
 
 

@@ -4,7 +4,7 @@ A training loop (verl, OpenRLHF, a custom loop; see ``adapters.py``) calls ``ste
 step with what it measured; the answer applies to the next step. Per step:
 
 1. calibrate: every model-stage's observed time / the uncorrected model's prediction for the same
-   plan and workload (``calibration_online.py``);
+   plan and workload (``calibration.py``);
 2. forecast the response length over the horizon (``forecast.py``), within the next step's cap;
 3. must-switch when the current plan is predicted infeasible next step (OOM ahead, or fewer GPUs than
    it uses): to the feasible candidate with the lowest transition cost + predicted time over the horizon;
@@ -29,14 +29,14 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from nereus.errors import NereusError
-from nereus.planner.audit import AuditLog
-from nereus.planner.calibration_online import OnlineCalibration
-from nereus.planner.controller_types import Decision, StepMetrics
-from nereus.planner.cost_params import CostParams
-from nereus.planner.forecast import LengthForecaster
+from nereus.planner.online.audit import AuditLog
+from nereus.planner.online.calibration import OnlineCalibration
+from nereus.planner.online.types import Decision, StepMetrics
+from nereus.planner.cost.params import CostParams
+from nereus.planner.online.forecast import LengthForecaster
 from nereus.planner.plan import GiB, Plan, StagePlacement
-from nereus.planner.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
-from nereus.planner.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
+from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 MODES = ("adaptive", "always")
@@ -210,7 +210,7 @@ class Controller:
             if self._transition_cost_fn is not None:
                 c = self._transition_cost_fn(a, b)
             else:
-                from nereus.planner.transition import transition_cost
+                from nereus.planner.transition.build import transition_cost
 
                 c = transition_cost(a, b, self.plans.cluster_for(max(a.num_gpus, b.num_gpus)), self.job)
             self._cost[key] = c = float(c)
@@ -328,7 +328,7 @@ class Controller:
     def _switch(self, m: StepMetrics, cur: _Candidate, best: _Candidate, must: str, reason: str) -> Decision:
         trans = None
         if self.build_transition and best.cost_s > 0:
-            from nereus.planner.transition import plan_transition
+            from nereus.planner.transition.build import plan_transition
 
             trans = plan_transition(self.job, self.plans.cluster_for(max(self.plan.num_gpus, best.plan.num_gpus)),
                                     self.plan, best.plan)

@@ -10,10 +10,10 @@ from typing import Any
 from nereus.errors import TransitionError
 from nereus.models.inventory import storage_dims
 from nereus.planner.plan import Plan
-from nereus.planner.regions import volume
+from nereus.planner.transition.regions import volume
 from nereus.planner.specs import ClusterSpec, JobSpec
-from nereus.planner.transition import _PHASES, Pieces
-from nereus.planner.transition_types import DTYPE_BYTES, TransitionPlan
+from nereus.planner.transition.pieces import _PHASES, Pieces
+from nereus.planner.transition.types import DTYPE_BYTES, TransitionPlan
 
 
 @dataclass(slots=True)
@@ -49,9 +49,9 @@ def task_rounds(problem, sched) -> list[int]:
 
 def assemble(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan, pieces: Pieces, problem, sched, t0: float, *,
              mixed_precision: bool, include_optimizer: bool, materialize: bool | None) -> TransitionResult:
-    from nereus.planner.emu import holdings
-    from nereus.planner.schedule import replay_peak
-    from nereus.planner.transition_types import Holding, Region, TransferOp
+    from nereus.planner.transition.emu import holdings
+    from nereus.planner.transition.schedule import replay_peak
+    from nereus.planner.transition.types import Holding, Region, TransferOp
 
     rounds = task_rounds(problem, sched)
     n_ops = sum(pieces.templates[pieces.moves[i][0]].mult for t in range(problem.n) for i in problem.moves[t])

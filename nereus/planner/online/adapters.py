@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.planner.controller import StepMetrics
+from nereus.planner.online.controller import StepMetrics
 
 VERL_STAGE_KEYS: Mapping[str, str] = {
     "timing_s/gen": "actor/generation",
