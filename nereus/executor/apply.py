@@ -14,7 +14,9 @@ Call order (every rank of the world calls ``apply_transition`` with the same pla
 4. vote (one ``transport.max_ints``, which also spreads the Adam step counts): commit only if
    every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
-   "no" vote leaves the store untouched (rollback) and raises TransitionError.
+   "no" vote leaves the store untouched (rollback) and raises TransitionError (``RolledBack``).
+   A yes-voter waits longer than a no-voter (``vote_wait_s``): its posted yes would let a late
+   peer commit, so giving up early would split the ranks.
 """
 from __future__ import annotations
 
@@ -40,8 +42,43 @@ class FaultSpec:
     rank: int
     round: int
     kind: str = "raise"
-    """``raise``: an exception on that rank; ``hang``: it stops answering for ``hang_s``."""
+    """``raise``: an exception on that rank before it posts the exchange holding ``round``;
+    ``hang``: it stops answering there for ``hang_s``; ``after-receive``: an exception on that
+    rank once that exchange's bytes have arrived (the data moved, nothing verified or committed
+    yet); ``corrupt``: one bit of the first message that rank receives in that exchange flips
+    before it is checksummed (a byte corrupted in flight: only the receiver can tell);
+    ``slow-vote``: that rank verifies everything, then stalls ``hang_s`` before it votes (a
+    straggler; ``round`` is ignored)."""
     hang_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
+
+
+FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "slow-vote")
+
+
+class RolledBack(TransitionError):
+    """A transition that rolled back on this rank, with how far it got (tests and reports)."""
+
+    def __init__(self, message: str, *, bytes_received: int, exchanges_done: int, vote_completed: bool = True) -> None:
+        super().__init__(message)
+        self.bytes_received = bytes_received
+        self.exchanges_done = exchanges_done
+        self.vote_completed = vote_completed
+        """False only when this rank voted yes and the vote never completed here: a peer that
+        completed it later may have committed (reported in the message; see ``vote_wait_s``)."""
+
+
+def vote_wait_s(timeout_s: float, exchanges: int, ok: bool) -> float:
+    """How long a rank waits for the commit vote. A "no" cannot be outvoted, so its voter rolls
+    back after ``timeout_s`` whatever happens. A "yes" stays posted in the collective even if its
+    voter stops waiting (gloo and NCCL do not take back a posted all-reduce), so a live but slow
+    peer arriving later would complete the vote with it and commit while this rank rolled back.
+    A yes-voter therefore waits out a live peer's longest path to the vote: the staging
+    agreement, then per exchange the data and the checksums, each bounded by ``timeout_s``."""
+    return timeout_s if not ok else timeout_s * (2 * exchanges + 2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,7 +193,7 @@ def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int])
 
 
 def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Transport, timeout_s: float,
-               counters: dict, sums: _SourceSums, rnd: str, verify_previous=None):
+               counters: dict, sums: _SourceSums, rnd: str, verify_previous=None, corrupt: bool = False):
     """One exchange of prepared items (``_prepare``). Receives are posted first (the transport
     buckets the small pieces; large ones land directly in their destination region), then each
     outgoing message right after this rank checksummed it; while the bytes move, the local
@@ -200,9 +237,16 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
         verify_previous()
     t1 = time.perf_counter()
     got: list[int] = []
-    transport.finish(posted, timeout_s, on_arrival=lambda i, buf: got.append(checksum(buf)))
+
+    def arrived(i: int, buf: torch.Tensor) -> None:
+        if corrupt and i == 0 and buf.numel():
+            buf.view(-1).view(torch.uint8)[0] ^= 1  # the fault: one bit flipped in flight
+        got.append(checksum(buf))
+
+    transport.finish(posted, timeout_s, on_arrival=arrived)
     del posted  # staging buffers go back to the arena now, not when the next exchange has run
     transport.finish(posted_sums, timeout_s)
+    counters["arrived"] += incoming
     counters["prepare_s"] += t1 - t0
     counters["exchange_s"] += time.perf_counter() - t1
 
@@ -222,13 +266,21 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     return verify
 
 
-def _inject(fault: FaultSpec | None, rank: int, rnd: int) -> None:
-    if fault is None or fault.rank != rank or fault.round != rnd:
+def _fault_here(fault: FaultSpec | None, rank: int, lo: int, hi: int, kind: str) -> bool:
+    return fault is not None and fault.rank == rank and lo <= fault.round <= hi and fault.kind == kind
+
+
+def _inject(fault: FaultSpec | None, rank: int, lo: int, hi: int, when: str) -> None:
+    """The injected failure of ``fault`` if it falls in the exchange of rounds lo..hi at ``when``
+    (``before``: before this rank posts; ``after``: once its bytes have arrived)."""
+    if fault is None or fault.rank != rank or not lo <= fault.round <= hi:
         return
-    if fault.kind == "hang":
+    if when == "before" and fault.kind == "hang":
         time.sleep(fault.hang_s)
-        return
-    raise RuntimeError(f"injected fault on rank {rank} in round {rnd}")
+    elif when == "before" and fault.kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} in round {fault.round}")
+    elif when == "after" and fault.kind == "after-receive":
+        raise RuntimeError(f"injected fault on rank {rank} after the bytes of round {fault.round} arrived")
 
 
 def _reason(e: Exception) -> str:
@@ -306,8 +358,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     planner's rounds one by one, ``None`` all of them in one exchange). Same bytes either way, in
     (round, op id) order."""
     t0 = time.perf_counter()
-    counters = {"sent": 0, "received": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0, "verify_s": 0.0,
-                "staging_peak": 0, "staged": 0}
+    counters = {"sent": 0, "received": 0, "arrived": 0, "copied": 0, "prepare_s": 0.0, "exchange_s": 0.0,
+                "verify_s": 0.0, "staging_peak": 0, "staged": 0, "exchanges_done": 0}
     held_before = store.nbytes()
     transport.tag = next(_TAGS)  # the same sequence on every rank: leftovers of a failed transition never match
     msgs0, wire0 = transport.messages, transport.wire_s
@@ -337,10 +389,12 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
             verify = None
             sums = _SourceSums(store)
             for lo, hi in groups:
-                for rnd in range(lo, hi + 1):
-                    _inject(fault, rank, rnd)
+                _inject(fault, rank, lo, hi, "before")
                 verify = _run_round([it for rnd in range(lo, hi + 1) for it in items.get(rnd, ())], store, rank,
-                                    transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify)
+                                    transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify,
+                                    corrupt=_fault_here(fault, rank, lo, hi, "corrupt"))
+                counters["exchanges_done"] += 1
+                _inject(fault, rank, lo, hi, "after")
             if verify is not None:
                 verify()
         except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
@@ -348,15 +402,25 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     transport.close()
     t_vote = time.perf_counter()
     models = sorted({h.region.model for h in plan.dst})
+    if ok and fault is not None and fault.rank == rank and fault.kind == "slow-vote":
+        time.sleep(fault.hang_s)
+    vote_completed = True
     try:  # every rank votes, also a failed one, so its peers learn it at once instead of timing out;
         # the same collective spreads each model's Adam step count, so one result decides both
-        vote = transport.max_ints([int(not ok)] + [store.step.get(m, 0) for m in models], timeout_s)
+        vote = transport.max_ints([int(not ok)] + [store.step.get(m, 0) for m in models],
+                                  vote_wait_s(timeout_s, len(groups), ok))
         if ok and vote[0]:
             ok, reason = False, "another rank failed to verify its regions"
     except TransitionError as e:
+        if ok:
+            vote_completed = False
+            reason = (f"{e}; this rank voted to commit and the vote did not complete here, so a peer that "
+                      f"completed it may have committed")
         ok, reason = False, reason or str(e)
     if not ok:
-        raise TransitionError(f"transition rolled back on rank {rank}: {reason}; the old layout is intact")
+        raise RolledBack(f"transition rolled back on rank {rank}: {reason}; this rank's old layout is intact",
+                         bytes_received=counters["arrived"], exchanges_done=counters["exchanges_done"],
+                         vote_completed=vote_completed)
     for m, step in zip(models, vote[1:]):
         store.step[m] = step
     items = None  # drop this rank's views of the old state, so its buffers are free for the trim

@@ -10,7 +10,7 @@ import time
 import torch
 
 from nereus.errors import TransitionError
-from nereus.executor.apply import FaultSpec
+from nereus.executor.apply import STAGING_BYTES, FaultSpec
 from nereus.executor.engine import Engine
 from nereus.executor.scenario import init_store, mismatches, reference_logits
 from nereus.executor.store import ShardStore
@@ -33,7 +33,8 @@ def logits_in(rank: int, world: int, job: JobSpec, plan: Plan, seed: int, ids: t
 
 
 def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan, tplan: TransitionPlan, seed: int,
-                 fault: FaultSpec | None = None, timeout_s: float = 20.0) -> dict:
+                 fault: FaultSpec | None = None, timeout_s: float = 20.0,
+                 staging_bytes: int | None = STAGING_BYTES) -> dict:
     """State in A -> transition to B; bits against the reference, logits B against A.
     With a fault: the transition must roll back to checksums identical to before."""
     ids = batch(job.model("actor").vocab, 4, 12, seed + 1)
@@ -44,10 +45,12 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
     before = store.checksums()
     t0 = time.perf_counter()
     try:
-        report = eng.apply_transition(tplan, plan_b.home("actor"), timeout_s=timeout_s, fault=fault)
+        report = eng.apply_transition(tplan, plan_b.home("actor"), timeout_s=timeout_s, fault=fault,
+                                      staging_bytes=staging_bytes)
     except TransitionError as e:
         return {"rank": rank, "rolled_back": True, "error": str(e), "seconds": time.perf_counter() - t0,
-                "checksums_equal": store.checksums() == before, "regions": len(before)}
+                "checksums_equal": store.checksums() == before, "regions": len(before),
+                "bytes_received": getattr(e, "bytes_received", 0), "exchanges_done": getattr(e, "exchanges_done", 0)}
     bad = mismatches(store, job, seed)
     logits_b = eng.logits(ids)
     diff = 0.0

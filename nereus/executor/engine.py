@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nereus.errors import SpecError
 from nereus.executor import model as M
-from nereus.executor.apply import ApplyReport, FaultSpec, apply_transition
+from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, apply_transition
 from nereus.executor.layout import OPT_KINDS, rank_regions, stored
 from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
@@ -278,14 +278,14 @@ class Engine:
     # ---- transitions -------------------------------------------------------------------------
     def apply_transition(self, tplan: TransitionPlan, placement: StagePlacement, *,
                          transport: Transport | None = None, timeout_s: float = 60.0,
-                         fault: FaultSpec | None = None) -> ApplyReport:
+                         fault: FaultSpec | None = None, staging_bytes: int | None = STAGING_BYTES) -> ApplyReport:
         """Collective over the world: move the store to ``placement``; on failure everything rolls
         back (TransitionError) and the engine stays bound to the old placement."""
         for t in self.w.values():
             t.grad = None
         with torch.no_grad():
             report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
-                                      timeout_s=timeout_s, fault=fault)
+                                      timeout_s=timeout_s, fault=fault, staging_bytes=staging_bytes)
         self._bind(placement)
         return report
 

@@ -324,9 +324,11 @@ class MockHub:
         self.world = world
         self.boxes: dict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
         self._lock = threading.Lock()
-        self._votes: list[list[int]] = []
-        self._result: list[list[int]] = []
-        self._barrier = threading.Barrier(world)
+        self._cond = threading.Condition()
+        self._posted: dict[int, dict[int, list[int]]] = defaultdict(dict)
+        """Collective call k -> rank -> its values. Like a real collective, a rank's contribution
+        stays posted when its own wait times out: peers arriving later still count it."""
+        self._calls = [0] * world
 
 
 class MockTransport(Transport):
@@ -358,14 +360,16 @@ class MockTransport(Transport):
             buf.view(-1).copy_(got.view(-1))
 
     def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
+        """Element-wise max over ranks, with a real collective's semantics: the k-th call of every
+        rank forms one reduction, and a rank whose wait times out has still contributed (gloo
+        does not take back a posted all-reduce), so its peers may complete without it failing."""
         hub = self.hub
-        try:
-            with hub._lock:
-                hub._votes.append(list(values))
-            if hub._barrier.wait(timeout=timeout_s) == 0:
-                hub._result[:] = [[max(col) for col in zip(*hub._votes)]]
-                hub._votes.clear()
-            hub._barrier.wait(timeout=timeout_s)
-            return list(hub._result[0])
-        except threading.BrokenBarrierError:
-            raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s") from None
+        with hub._cond:
+            k = hub._calls[self.rank]
+            hub._calls[self.rank] += 1
+            hub._posted[k][self.rank] = list(values)
+            hub._cond.notify_all()
+            if not hub._cond.wait_for(lambda: len(hub._posted[k]) == hub.world, timeout=timeout_s):
+                raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after "
+                                      f"{timeout_s:g} s")
+            return [max(col) for col in zip(*hub._posted[k].values())]

@@ -238,6 +238,86 @@ def test_corrupted_bytes_are_caught_and_rolled_back():
     assert [s.checksums() for s in stores] == before
 
 
+@pytest.mark.parametrize("staging_bytes", [None, 0], ids=["one-exchange", "round-by-round"])
+def test_a_byte_corrupted_in_flight_rolls_back_every_rank_by_the_vote(staging_bytes):
+    """Rank 1 sees a flipped bit in what it receives; rank 0 received intact bytes and verified
+    them. In one exchange nothing else stops rank 0: only the commit vote can make it roll back,
+    so this fails if the vote is ignored (``if ok and vote[0]`` -> ``if False``)."""
+    tplan, stores, before, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2,
+                                                    fault=FaultSpec(rank=1, round=tplan_last_round(), kind="corrupt"),
+                                                    staging_bytes=staging_bytes)
+    assert all(isinstance(r, TransitionError) for r in results), results
+    assert "checksum mismatch" in str(results[1])
+    assert results[1].bytes_received > 0  # the corrupted bytes had arrived
+    if staging_bytes is None:
+        assert "another rank failed to verify" in str(results[0])  # the vote decided, nothing else
+        assert results[0].bytes_received > 0
+    assert [s.checksums() for s in stores] == before
+
+
+def tplan_last_round() -> int:
+    """The last planner round of the tp2 -> dp2 transition (the fault fires in the exchange holding it)."""
+    return plan_transition(JOB, local_cluster(2), make_plan(tp=2), make_plan(dp=2), mixed_precision=False,
+                           scheduler="greedy").rounds - 1
+
+
+def test_a_rank_failing_after_its_data_arrived_rolls_back_every_rank():
+    """Several exchanges; rank 0 fails once the bytes of the last one have arrived: by then data
+    has moved in every exchange, and every rank must still end on its old checksums."""
+    last = tplan_last_round()
+    assert last >= 1, "the scenario needs several exchanges"
+    tplan, stores, before, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2,
+                                                    fault=FaultSpec(rank=0, round=last, kind="after-receive"),
+                                                    staging_bytes=0)
+    assert all(isinstance(r, TransitionError) for r in results), results
+    assert "after the bytes of round" in str(results[0])
+    assert results[0].exchanges_done == tplan.rounds and results[0].bytes_received > 0
+    assert "another rank failed to verify" in str(results[1]) and results[1].bytes_received > 0
+    assert [s.checksums() for s in stores] == before
+
+
+def test_a_straggler_at_the_vote_does_not_split_the_ranks():
+    """Rank 1 verifies, then stalls past the per-message timeout before voting. Its peer voted yes
+    and must not give up and roll back while the straggler, arriving later, completes the vote
+    with that posted yes and commits (the ranks would end in different layouts). Both commit."""
+    class SlowVoter(MockTransport):  # stalls before its second collective: the commit vote
+        def max_ints(self, values, timeout_s):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 2:
+                time.sleep(0.6)
+            return super().max_ints(values, timeout_s)
+
+    tplan, stores, before, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2, staging_bytes=None,
+                                                    transport_cls=SlowVoter, corrupt_rank=1, timeout_s=0.25)
+    assert not any(isinstance(r, Exception) for r in results), results
+    for s in stores:
+        assert mismatches(s, JOB, seed=0) == []
+
+
+def test_a_vote_that_never_completes_is_reported_as_such():
+    """Past even the yes-voter's wait the outcome is unknown on that rank: it rolls back and says
+    that a peer may have committed, instead of claiming the old layout holds everywhere."""
+    _, _, _, results = _apply_threads(make_plan(tp=2), make_plan(dp=2), 2, staging_bytes=None,
+                                      fault=FaultSpec(rank=1, round=0, kind="slow-vote", hang_s=1.5), timeout_s=0.2)
+    assert isinstance(results[0], TransitionError) and results[0].vote_completed is False
+    assert "may have committed" in str(results[0])
+
+
+def test_mock_collective_keeps_a_timed_out_contribution_like_gloo():
+    """A rank whose wait times out has still posted its values; a peer arriving later completes
+    the reduction with them (as a real all-reduce does) instead of failing with it."""
+    hub = MockHub(2)
+    a, b = MockTransport(0, hub), MockTransport(1, hub)
+    with pytest.raises(TransitionError, match="timed out"):
+        a.max_ints([0, 5], 0.05)
+    assert b.max_ints([1, 3], 1.0) == [1, 5]
+
+
+def test_fault_kinds_are_checked():
+    with pytest.raises(ValueError, match="fault kind must be one of"):
+        FaultSpec(rank=0, round=0, kind="explode")
+
+
 def test_transport_buckets_small_and_sends_large_alone():
     hub = MockHub(2)
     tx, rx = MockTransport(0, hub, bucket_bytes=1024), MockTransport(1, hub, bucket_bytes=1024)
