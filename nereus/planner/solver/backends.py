@@ -64,6 +64,30 @@ def solve_cpsat(m: LinModel, t_hi: float, time_limit_s: float, workers: int, see
 PULP_SCALE = {"time": 1.0, "mem": 1.0 / 2**20, "count": 1.0, "bool": 1.0}
 
 
+def cbc_path() -> str:
+    """The CBC executable PuLP drives (``COIN_CMD``; PuLP 4 no longer bundles one): ``cbc`` beside
+    this Python (the ``cbcbox`` wheel that ``pulp[cbc]`` installs puts it there), on PATH, or the
+    wheel's own copy."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    here = Path(sys.executable).parent / "cbc"
+    found = str(here) if here.exists() else shutil.which("cbc")
+    if found is None:
+        try:
+            import cbcbox
+
+            found = cbcbox.cbc_bin_path()
+        except ImportError:
+            pass
+    if not found:
+        from nereus.errors import NereusError
+
+        raise NereusError("the pulp backend needs the CBC solver: pip install 'pulp[cbc]' (or put cbc on PATH)")
+    return found
+
+
 def solve_pulp(m: LinModel, time_limit_s: float, workers: int, seed: int):
     """PuLP/CBC: (status name, value function, objective bound in seconds, objective in seconds)."""
     import pulp
@@ -72,10 +96,10 @@ def solve_pulp(m: LinModel, time_limit_s: float, workers: int, seed: int):
     xs = []
     for i, v in enumerate(m.vars):
         if v.kind == "bool":
-            xs.append(pulp.LpVariable(f"v{i}", cat="Binary"))
+            xs.append(prob.add_variable(f"v{i}", 0, 1, cat=pulp.LpBinary))
         else:
             s = PULP_SCALE[v.kind]
-            xs.append(pulp.LpVariable(f"v{i}", lowBound=v.lo * s, upBound=v.hi * s))
+            xs.append(prob.add_variable(f"v{i}", v.lo * s, v.hi * s))
     for c in m.cons:
         s = PULP_SCALE[c.kind]
         terms = [(v, coef * s / PULP_SCALE[m.vars[v].kind]) for v, coef in c.terms]
@@ -93,8 +117,8 @@ def solve_pulp(m: LinModel, time_limit_s: float, workers: int, seed: int):
     for v, val in m.hint.items():
         xs[v].setInitialValue(val)
     opts = [f"randomSeed {seed}", "randomCbcSeed " + str(seed + 1)]
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=float(time_limit_s), threads=int(workers), gapRel=1e-9, warmStart=bool(m.hint),
-                               options=opts)
+    solver = pulp.COIN_CMD(path=cbc_path(), msg=False, timeLimit=float(time_limit_s), threads=int(workers), gapRel=1e-9,
+                           warmStart=bool(m.hint), options=opts)
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     sol = prob.sol_status
