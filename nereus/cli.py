@@ -13,7 +13,7 @@ import sys
 
 from nereus.errors import NereusError
 
-COMMANDS = ("estimate", "plan", "transition", "simulate", "calibrate", "reshard_check", "demo")
+COMMANDS = ("estimate", "plan", "transition", "simulate", "calibrate", "fidelity", "fit_profiles", "reshard_check", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

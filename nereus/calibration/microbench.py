@@ -295,7 +295,8 @@ def cpu_nominal_tflops(threads: int = 1) -> float:
     """Datasheet-style peak of ``threads`` x86 cores: GHz x FP32 FLOPs per cycle (16 per FMA unit
     pair with AVX2, 32 with AVX-512; 2 units), from /proc/cpuinfo. 0 when it cannot be read."""
     try:
-        text = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
     except OSError:
         return 0.0
     mhz = [float(line.split(":")[1]) for line in text.splitlines() if line.startswith("cpu MHz")]

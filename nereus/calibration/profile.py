@@ -25,7 +25,7 @@ from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import GPU_PRESETS, ClusterSpec, GPUSpec
 
 PROFILE_VERSION = 1
-SHIPPED = ("a100-80gb", "h100-80gb", "h200", "cpu-local")
+SHIPPED = ("a100-80gb", "h100-80gb", "h200", "h20", "mi300x", "cpu-local")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +137,9 @@ class Profile:
         p = Path(path)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps(self.to_dict(), indent=2, default=float) + "\n")
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_text(json.dumps(self.to_dict(), indent=2, default=float) + "\n")
+            tmp.replace(p)  # atomic: a reader never sees half a profile
         except OSError as e:
             raise SpecError(f"cannot write profile {p}: {e.strerror}") from None
         return p

@@ -15,7 +15,9 @@ def add_job_cluster(p: argparse.ArgumentParser, profile: bool = True) -> None:
     p.add_argument("--job", required=True, help="job YAML (see examples/)")
     p.add_argument("--cluster", required=True, help="cluster YAML (see examples/)")
     if profile:
-        p.add_argument("--profile", help="cost profile JSON (nereus calibrate); default: analytic defaults")
+        p.add_argument("--profile", help="cost profile: a JSON file (nereus calibrate / fit-profiles) or a shipped "
+                                         "one by name (h100-80gb, h200, a100-80gb, h20, mi300x, cpu-local); "
+                                         "default: analytic defaults")
 
 
 def load_specs(args: argparse.Namespace):
@@ -24,8 +26,23 @@ def load_specs(args: argparse.Namespace):
 
     job = load_job(args.job)
     cluster = load_cluster(args.cluster)
-    params = CostParams.load(args.profile) if getattr(args, "profile", None) else CostParams()
+    params = load_params(getattr(args, "profile", None))
     return job, cluster, params
+
+
+def load_params(profile: str | None):
+    """CostParams from a profile file, a shipped profile by name (``h100-80gb``, ...), or the
+    analytic defaults when none is given."""
+    from nereus.planner.cost.params import CostParams
+
+    if not profile:
+        return CostParams()
+    if not Path(profile).exists():
+        from nereus.calibration.profile import SHIPPED, load_profile
+
+        if profile in SHIPPED:
+            return load_profile(profile).params
+    return CostParams.load(profile)
 
 
 def write_json(path: str | None, data: Any) -> None:
@@ -35,7 +52,9 @@ def write_json(path: str | None, data: Any) -> None:
     try:
         if p.parent and not p.parent.exists():
             p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(data, indent=2, default=float) + "\n")
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, default=float) + "\n")
+        tmp.replace(p)  # atomic: no half-written output
     except OSError as e:
         raise SpecError(f"cannot write {p}: {e.strerror}") from None
 
@@ -67,7 +86,7 @@ def pos_float(text: str) -> float:
     return v
 
 
-def console():
+def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, stderr=stderr)

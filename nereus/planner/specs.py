@@ -90,6 +90,22 @@ GPU_PRESETS: dict[str, GPUSpec] = {
                          intra_node_gbps=450, inter_node_gbps=50),
     "h200": GPUSpec(name="h200", memory_gib=141, tflops_bf16=989, hbm_tbps=4.8,
                     intra_node_gbps=450, inter_node_gbps=50),
+    # NVIDIA H20 (China-market Hopper): 148 TFLOP/s bf16 dense, 96 GB HBM3 at 4.0 TB/s, 900 GB/s NVLink
+    "h20": GPUSpec(name="h20", memory_gib=96, tflops_bf16=148, hbm_tbps=4.0,
+                   intra_node_gbps=450, inter_node_gbps=50),
+    # AMD MI300X: 1,307 TFLOP/s bf16 dense, 192 GB HBM3 at 5.3 TB/s, 7 x 64 GB/s Infinity Fabric links
+    "mi300x": GPUSpec(name="mi300x", memory_gib=192, tflops_bf16=1307, hbm_tbps=5.3,
+                      intra_node_gbps=448, inter_node_gbps=50),
+    "a100-40gb": GPUSpec(name="a100-40gb", memory_gib=40, tflops_bf16=312, hbm_tbps=1.555,
+                         intra_node_gbps=300, inter_node_gbps=25),
+    # export variants: the same chips with NVLink cut to 400 GB/s in both directions together
+    "h800": GPUSpec(name="h800", memory_gib=80, tflops_bf16=989, hbm_tbps=3.35,
+                    intra_node_gbps=200, inter_node_gbps=50),
+    "a800-80gb": GPUSpec(name="a800-80gb", memory_gib=80, tflops_bf16=312, hbm_tbps=2.039,
+                         intra_node_gbps=200, inter_node_gbps=25),
+    # L40S: 362 TFLOP/s bf16 dense, 48 GB GDDR6 at 0.864 TB/s, no NVLink (PCIe Gen4 x16)
+    "l40s": GPUSpec(name="l40s", memory_gib=48, tflops_bf16=362, hbm_tbps=0.864,
+                    intra_node_gbps=32, inter_node_gbps=25),
 }
 _GPU_OVERRIDES = ("memory_gib", "tflops_bf16", "hbm_tbps", "intra_node_gbps", "inter_node_gbps", "reserved_gib")
 
@@ -195,13 +211,47 @@ class SequenceSpec:
                 )
 
 
+ENGINES = ("vllm", "sglang", "tensorrt-llm")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutSpec:
+    """The generation engine, as a job configures it (verl's ``actor_rollout_ref.rollout``)."""
+
+    engine: str = "vllm"
+    """vllm | sglang | tensorrt-llm: per-iteration overheads differ (fitted per engine)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of GPU memory the engine may take (weights + KV + workspace); None: the profile's
+    ``kv_mem_util`` (vLLM's default 0.9)."""
+    max_num_seqs: int = 256
+    """Most sequences one engine runs at once (vLLM's default 256); the rest wait."""
+    sleep: bool = True
+    """Colocated engines sleep between rollouts (weights to host, KV freed) and wake up each step."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise SpecError(f"rollout: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.gpu_memory_utilization is not None:
+            _positive("rollout", "gpu_memory_utilization", self.gpu_memory_utilization, real=True)
+            if self.gpu_memory_utilization > 1:
+                raise SpecError(f"rollout: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _positive("rollout", "max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.sleep, bool):
+            raise SpecError(f"rollout: sleep must be true or false, got {self.sleep!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     algorithm: str
     models: tuple[tuple[str, ModelSpec], ...]
-    """(role, model) pairs in ROLES order; a missing reward means a rule-based reward."""
+    """(role, model) pairs in ROLES order; a missing reward means a rule-based reward, a missing
+    ref a job without a KL term (a common verl set-up)."""
     batch: BatchSpec
     sequence: SequenceSpec
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("ppo", "grpo"):
@@ -210,9 +260,8 @@ class JobSpec:
         for r in roles:
             if r not in ROLES:
                 raise SpecError(f"job: unknown model role {r!r}; roles are {list(ROLES)}")
-        for r in ("actor", "ref"):
-            if r not in roles:
-                raise SpecError(f"job: models.{r} is required")
+        if "actor" not in roles:
+            raise SpecError("job: models.actor is required")
         if self.algorithm == "ppo" and "critic" not in roles:
             raise SpecError("job: ppo needs models.critic (use algorithm: grpo for a critic-free job)")
         if self.algorithm == "grpo" and "critic" in roles:
@@ -236,7 +285,9 @@ class JobSpec:
 
     def phases(self) -> tuple[tuple[str, ...], ...]:
         """Model-stages that may run at the same time: generation, experience preparation, training."""
-        exp = ["actor/inference", "ref/inference"]
+        exp = ["actor/inference"]
+        if "ref" in self.roles:
+            exp.append("ref/inference")
         if "critic" in self.roles:
             exp.append("critic/inference")
         if "reward" in self.roles:
@@ -264,11 +315,12 @@ class JobSpec:
             "batch": {"prompts": b.prompts, "samples_per_prompt": b.samples_per_prompt,
                       "ppo_epochs": b.ppo_epochs, "mini_batches": b.mini_batches},
             "sequence": seq,
+            **({"rollout": self.rollout.to_dict()} if self.rollout != RolloutSpec() else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base_dir: Path | None = None) -> "JobSpec":
-        check_keys("job", d, {"algorithm", "models", "batch", "sequence"}, ("algorithm", "models", "batch", "sequence"))
+        check_keys("job", d, {"algorithm", "models", "batch", "sequence", "rollout"}, ("algorithm", "models", "batch", "sequence"))
         models = d["models"]
         check_keys("job.models", models, set(ROLES))
         pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
@@ -276,8 +328,10 @@ class JobSpec:
         check_keys("job.sequence", d["sequence"],
                     {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90"},
                     ("prompt_len", "response_len_mean", "response_len_max"))
+        rollout = d.get("rollout") or {}
+        check_keys("job.rollout", rollout, {f.name for f in fields(RolloutSpec)})
         return cls(algorithm=str(d["algorithm"]).lower(), models=pairs,
-                   batch=BatchSpec(**d["batch"]), sequence=SequenceSpec(**d["sequence"]))
+                   batch=BatchSpec(**d["batch"]), sequence=SequenceSpec(**d["sequence"]), rollout=RolloutSpec(**rollout))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,12 +399,23 @@ class ParallelConfig:
     """ZeRO stage of the optimizer state (0, 1, 2, 3); only meaningful for training."""
     recompute: bool = False
     """Full activation recomputation."""
+    sp: int = 1
+    """Sequence parallelism (DeepSpeed-Ulysses, verl's ``ulysses_sequence_parallel_size``) of a
+    training or inference stage: each sequence is split over ``sp`` of the ``dp`` ranks (sp
+    divides dp; parameters are laid out as for dp), with all-to-alls around attention."""
+    token_budget: int = 0
+    """Tokens per micro-batch per GPU (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``):
+    sequences are packed up to this many tokens; 0 = fixed ``micro_batch`` sequences."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch"):
+        for f in ("tp", "pp", "dp", "micro_batch", "sp"):
             _positive("parallel config", f, getattr(self, f))
+        _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
         if self.zero not in (0, 1, 2, 3):
             raise SpecError(f"parallel config: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.dp % self.sp:
+            raise SpecError(f"parallel config: sp({self.sp}) must divide dp({self.dp}) (sequence parallel ranks "
+                            f"are taken from the data-parallel ones)")
 
     @property
     def gpus(self) -> int:

@@ -26,7 +26,7 @@ from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 TRUE_PARAMS = CostParams(
     mfu_train=0.37, mfu_prefill=0.50, mfu_decode=0.40, hbm_eff=0.72, intra_link_eff=0.70,
-    inter_link_eff=0.60, allreduce_latency_s=45e-6, p2p_latency_s=10e-6, decode_step_overhead_s=2.2e-3,
+    inter_link_eff=0.60, allreduce_latency_s=4.5e-6, p2p_latency_s=10e-6, decode_step_overhead_s=2.2e-3,
     stage_factor=(("generation", 1.0), ("inference", 1.12), ("training", 1.0)),
 )
 """The "real" machine: every efficiency differs from CostParams() defaults, by stage."""

@@ -15,7 +15,7 @@ def test_estimate_prints_breakdown_and_json(tmp_path):
     out = tmp_path / "e.json"
     r = nereus("estimate", *BASE, "--model-stage", "actor/training", "--tp", "2", "--dp", "16", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "dp_allreduce" in r.stdout and "verdict" in r.stdout
+    assert "dp_grad_sync" in r.stdout and "verdict" in r.stdout
     d = json.loads(out.read_text())
     assert d["tp"] == 2 and d["fits"] is True and d["time_s"] > 0
 

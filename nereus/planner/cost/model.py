@@ -16,8 +16,8 @@ from typing import Mapping
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost.params import CostParams, allreduce_s, p2p_s
-from nereus.planner.cost.lengths import response_quantiles
+from nereus.planner.cost.lengths import decode_grid, expected_max, response_quantiles, survival
+from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, p2p_s
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec, ParallelConfig, Workload
 
 GiB = 1024**3
@@ -101,6 +101,26 @@ def _group_bw(cluster: ClusterSpec, span_gpus: int, p: CostParams) -> float:
     return intra if span_gpus <= cluster.gpus_per_node else inter
 
 
+def _nodes(cluster: ClusterSpec, n: int, stride: int) -> int:
+    """Nodes a group of n ranks spaced ``stride`` GPUs apart spans."""
+    return max(1, -(-(n * stride) // cluster.gpus_per_node))
+
+
+def ar_s(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int = 1) -> float:
+    """All-reduce over a group of n ranks spaced ``stride`` GPUs apart (TP: 1; DP: tp * pp),
+    hierarchical when the group spans nodes (``allreduce_s``)."""
+    intra, inter = _links(cluster, p)
+    return allreduce_s(nbytes, n, intra, p.allreduce_latency_s, nodes=_nodes(cluster, n, stride),
+                       alpha_inter=p.inter_latency_s, bw_inter=inter)
+
+
+def ag_s(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int = 1) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` in total over n ranks spaced ``stride`` apart."""
+    intra, inter = _links(cluster, p)
+    return allgather_s(nbytes, n, intra, p.allreduce_latency_s, nodes=_nodes(cluster, n, stride),
+                       alpha_inter=p.inter_latency_s, bw_inter=inter)
+
+
 def validate_config(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: ParallelConfig) -> ModelSpec:
     role, _, stage = model_stage.partition("/")
     if model_stage not in job.model_stages():
@@ -128,11 +148,14 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
     p = params or CostParams()
     role, _, stage = model_stage.partition("/")
     head = "value" if role in ("critic", "reward") else "lm"
+    if cfg.sp > 1 and model.heads % (cfg.sp * cfg.tp):
+        raise SpecError(f"sp({cfg.sp}) * tp({cfg.tp}) must divide the {model.heads} attention heads of {model.name} "
+                        f"(Ulysses splits heads across the sequence-parallel ranks)")
     if stage == "training":
         return _training(job, cluster, model_stage, model, cfg, w, p, head)
     if stage == "inference":
         return _inference(cluster, model_stage, model, cfg, w, p, head)
-    return _generation(cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
+    return _generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
 
 
 def _finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: CostParams,
@@ -144,67 +167,104 @@ def _finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: Co
                          {**resident, **transient}, cluster.gpu.usable_bytes, waves, notes)
 
 
+def seq_moments(w: Workload) -> tuple[float, float]:
+    """(E[s], E[s^2]) of sequence lengths s = prompt + response: attention work grows with s^2,
+    so a long tail costs more than its share of tokens."""
+    lengths = response_quantiles(w.response_len_mean, w.response_len_p90, w.response_len_max)
+    s = [w.prompt_len + x for x in lengths]
+    return sum(s) / len(s), sum(x * x for x in s) / len(s)
+
+
+def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int) -> tuple[int, float, float]:
+    """(micro-batches per data group per optimizer step, mean tokens of a micro-batch, tokens of the
+    largest one) for fixed ``micro_batch`` sequences or a ``token_budget`` per GPU (packing; a
+    sequence longer than the budget gets a micro-batch of its own)."""
+    groups = cfg.dp // cfg.sp
+    seqs = w.sequences / (per_step * groups)
+    s_mean = w.prompt_len + w.response_len_mean
+    longest = w.prompt_len + expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
+    if cfg.token_budget:
+        budget = cfg.token_budget * cfg.sp
+        m = max(1, math.ceil(seqs * s_mean / budget))
+        return m, seqs * s_mean / m, max(float(budget), longest)
+    b = cfg.micro_batch
+    m = max(1, math.ceil(seqs / b))
+    return m, b * s_mean, (b - 1) * s_mean + longest
+
+
 def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
               w: Workload, p: CostParams, head: str) -> StageEstimate:
-    tp, pp, dp, b = cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch
+    tp, pp, dp, sp = cfg.tp, cfg.pp, cfg.dp, cfg.sp
     E, M = job.batch.ppo_epochs, job.batch.mini_batches
     h, L = model.hidden, model.layers
-    s_mean = w.prompt_len + w.response_len_mean
-    s_max = w.seq_len_max
+    _, s_sq = seq_moments(w)
     gpu = cluster.gpu
-    # compute
+    # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
     n_factor = 8 if cfg.recompute else 6
-    attn = 6 * L * model.heads * model.head_dim * s_mean * (4 / 3 if cfg.recompute else 1)
-    flops = (n_factor * model.matmul_params() + attn) * w.tokens * E
-    m = max(1, math.ceil(w.sequences / (M * dp * b)))  # micro-batches per DP rank per mini-batch
-    eff = p.matmul_eff(p.mfu_train, 2 * b * s_mean * h * model.ffn / tp)
-    compute = flops / (cfg.gpus * gpu.peak_flops * eff)
+    attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
+    flops = n_factor * model.matmul_params() * w.tokens * E
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M)
+    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
+    compute = flops / (cfg.gpus * gpu.peak_flops * eff) + attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
     # communication
     n_micro = E * M * m
+    act_bytes = mb_tokens / sp * h * 2
     n_ar = 6 if cfg.recompute else 4
-    t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * allreduce_s(
-        b * s_mean * h * 2, tp, _group_bw(cluster, tp, p), p.allreduce_latency_s)
-    t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(
-        b * s_mean * h * 2 / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
+    t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * ar_s(act_bytes, tp, cluster, p)
+    t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * _a2a(act_bytes / tp, sp, cluster, p, tp)
+    t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
     psi = params_per_gpu(model, tp, pp, head)
-    grad_bytes = psi * 2 * (1.5 if cfg.zero >= 3 else 1.0)
-    t["dp_allreduce"] = E * M * allreduce_s(grad_bytes, dp, _group_bw(cluster, cfg.gpus, p), p.allreduce_latency_s)
-    # memory
+    if cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
+        t["fsdp_gather"] = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
+        t["dp_grad_sync"] = E * M * ag_s(psi * 2, dp, cluster, p, tp * pp)
+    else:
+        t["dp_grad_sync"] = E * M * ar_s(psi * 2, dp, cluster, p, tp * pp)
+    opt_share = psi / dp if cfg.zero >= 1 else psi
+    t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
+    # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
     resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
     in_flight = min(pp, m)
     layers_here = math.ceil(L / pp)
+    tok = mb_worst / sp
     if cfg.recompute:
-        act = in_flight * layers_here * b * s_max * 2 * h / tp + b * s_max * act_tok_layer
+        act = in_flight * layers_here * tok * 2 * h / tp + tok * act_tok_layer
     else:
-        act = in_flight * layers_here * b * s_max * act_tok_layer
+        act = in_flight * layers_here * tok * act_tok_layer
     vocab_out = model.vocab / tp if head == "lm" else 1
     transient = {"activations": act,
-                 "logits": b * s_max * vocab_out * p.logits_bytes * p.logits_copies_train,
+                 "logits": tok * vocab_out * p.logits_bytes * p.logits_copies_train,
                  "workspace": p.workspace_gib * GiB}
     return _finish(ms, cfg, t, "training", p, resident, transient, cluster)
 
 
+def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int) -> float:
+    """Ulysses all-to-all of ``nbytes`` per rank over the n sequence-parallel ranks."""
+    return alltoall_s(nbytes, n, _group_bw(cluster, n * stride, p), p.allreduce_latency_s)
+
+
 def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
                p: CostParams, head: str) -> StageEstimate:
-    tp, pp, dp, b = cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch
+    tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
     h, L = model.hidden, model.layers
-    s_mean, s_max = w.prompt_len + w.response_len_mean, w.seq_len_max
-    attn = 2 * L * model.heads * model.head_dim * s_mean
-    flops = (2 * model.matmul_params() + attn) * w.tokens
-    m = max(1, math.ceil(w.sequences / (dp * b)))
-    eff = p.matmul_eff(p.mfu_prefill, 2 * b * s_mean * h * model.ffn / tp)
-    compute = flops / (cfg.gpus * cluster.gpu.peak_flops * eff)
+    _, s_sq = seq_moments(w)
+    attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
+    flops = 2 * model.matmul_params() * w.tokens
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1)
+    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / sp * h * model.ffn / tp)
+    peak = cfg.gpus * cluster.gpu.peak_flops
+    compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
+    act_bytes = mb_tokens / sp * h * 2
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
-         "tp_comm": m * math.ceil(L / pp) * 2 * allreduce_s(b * s_mean * h * 2, tp, _group_bw(cluster, tp, p),
-                                                            p.allreduce_latency_s),
-         "pp_p2p": 0.0 if pp == 1 else m * p2p_s(b * s_mean * h * 2 / tp, _group_bw(cluster, tp * pp, p),
-                                                  p.p2p_latency_s)}
+         "tp_comm": m * math.ceil(L / pp) * 2 * ar_s(act_bytes, tp, cluster, p),
+         "sp_comm": m * math.ceil(L / pp) * 4 * _a2a(act_bytes / tp, sp, cluster, p, tp),
+         "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
     resident = {"weights": model.dtype_bytes * params_per_gpu(model, tp, pp, head)}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
-    transient = {"activations": b * s_max * act_tok_layer, "logits": b * s_max * vocab_out * p.logits_bytes,
+    tok = mb_worst / sp
+    transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
                  "workspace": p.workspace_gib * GiB}
     return _finish(ms, cfg, t, "inference", p, resident, transient, cluster)
 
@@ -214,71 +274,108 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
     return 2 * math.ceil(model.layers / pp) * model.kv_dim * model.dtype_bytes / min(tp, model.kv_heads)
 
 
-def _generation(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
+def engine_memory_util(job: JobSpec, p: CostParams) -> float:
+    """Fraction of usable GPU memory the rollout engine takes: the job's setting, else the profile's."""
+    u = job.rollout.gpu_memory_utilization
+    return p.kv_mem_util if u is None else u
+
+
+def kv_budget_full(job: JobSpec, cluster: ClusterSpec, weights: float, p: CostParams) -> float:
+    """KV bytes per GPU an engine gets on an otherwise empty GPU."""
+    return cluster.gpu.usable_bytes * engine_memory_util(job, p) - weights - p.workspace_gib * GiB
+
+
+def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
                 p: CostParams, kv_budget_bytes: float | None) -> StageEstimate:
+    """Prefill, then continuous-batching decode. At most ``concurrency`` sequences run at once
+    (the engine's max_num_seqs, and as many as the KV budget holds at their peak); the rest wait
+    for a free slot, so the engine runs full until the queue drains. The step ends with the
+    longest response (order statistics of the replica's sample, clipped at the cap)."""
     tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
     gpu = cluster.gpu
     weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     workspace = p.workspace_gib * GiB
     if kv_budget_bytes is None:
-        kv_budget_bytes = gpu.usable_bytes * p.kv_mem_util - weights - workspace
+        kv_budget_bytes = kv_budget_full(job, cluster, weights, p)
     kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
-    lengths = response_quantiles(w.response_len_mean, w.response_len_p90, w.response_len_max)
-    k = len(lengths)
-    seqs = math.ceil(w.sequences / dp)
-    P = w.prompt_len
-    # Peak KV tokens if every sequence of this replica ran at once: max over decode positions x of
-    # (sequences still running at x) * (prompt + x); running at x means length > x.
-    peak_tokens = max((seqs * (k - i) / k) * (P + lengths[i]) for i in range(k))
-    one_seq = P + w.response_len_max
+    n = math.ceil(w.sequences / dp)
+    P, cap, mean, p90 = w.prompt_len, w.response_len_max, w.response_len_mean, w.response_len_p90
+    one_seq = P + cap
     if kv_budget_bytes < one_seq * kvg:
         need = weights + workspace + one_seq * kvg
         return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, need,
                              {"weights": weights, "kv_cache": one_seq * kvg, "workspace": workspace},
                              gpu.usable_bytes, 0, (f"one {one_seq}-token sequence needs {one_seq * kvg / GiB:.2f} GiB "
                                                    f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
-    waves = max(1, math.ceil(peak_tokens * kvg / kv_budget_bytes))
-    per_wave = seqs / waves
-    # prefill (compute-bound)
-    pre_flops = (2 * model.matmul_params() + 2 * model.layers * model.heads * model.head_dim * P) * P * seqs
-    t_prefill = pre_flops / (tp * pp * gpu.peak_flops * p.mfu_prefill)
-    # decode: sum over length buckets of steps * t_step(active sequences, mean context)
-    t_mem = t_cmp = t_comm = t_over = 0.0
-    prev = 0.0
-    for i, length in enumerate(lengths):
-        steps = length - prev
-        if steps <= 0:
-            continue
-        mem, cmp_, comm = decode_step_s(model, tp, pp, per_wave * (k - i) / k, P + (prev + length) / 2, cluster, p)
-        if mem >= cmp_:
-            t_mem += steps * mem
-        else:
-            t_cmp += steps * cmp_
-        t_comm += steps * comm
-        t_over += steps * p.decode_step_overhead_s
-        prev = length
-    t = {"prefill": t_prefill, "decode_memory": waves * t_mem, "decode_compute": waves * t_cmp,
-         "tp_comm": waves * t_comm, "step_overhead": waves * t_over}
-    kv_used = min(peak_tokens * kvg, kv_budget_bytes)
+    # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x)
+    grid = decode_grid(n, mean, p90, cap, total=w.sequences)
+    per_seq_peak = max(max(survival(x, mean, p90, cap) * (P + x) for x, _ in grid), P + 1.0)
+    concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
+    engine = job.rollout.engine
+    t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
+    acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
+
+    def run(steps: float, active: float, ctx: float) -> None:
+        mem, cmp_, comm = decode_step_s(model, tp, pp, active, ctx, cluster, p)
+        acc["decode_memory" if mem >= cmp_ else "decode_compute"] += steps * max(mem, cmp_)
+        acc["tp_comm"] += steps * comm
+        acc["step_overhead"] += steps * p.iteration_overhead_s(engine, active)
+
+    if n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
+        run((n - concurrency) * mean / concurrency, concurrency, P + mean)
+    prev_x, prev_a = grid[0]
+    for x, a in grid[1:]:
+        run(x - prev_x, min(concurrency, max(prev_a, 1.0)), P + (prev_x + x) / 2)
+        prev_x, prev_a = x, a
+    t = {"prefill": t_prefill, **acc}
+    if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep (KV re-allocated)
+        t["engine_wake_sleep"] = 2 * weights / (p.host_link_gbps * 1e9)
+    kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
     transient = {"weights": weights, "kv_cache": kv_used, "workspace": workspace}
-    notes = (f"{waves} waves: peak KV demand {peak_tokens * kvg / GiB:.1f} GiB > budget {kv_budget_bytes / GiB:.1f} GiB",) \
+    waves = math.ceil(n / concurrency)
+    notes = (f"at most {concurrency} of {n} sequences per replica run at once (KV budget "
+             f"{kv_budget_bytes / GiB:.1f} GiB, max_num_seqs {job.rollout.max_num_seqs}); the rest wait",) \
         if waves > 1 else ()
     return _finish(ms, cfg, t, "generation", p, {}, transient, cluster, waves, notes)
+
+
+def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float, per_forward: float,
+              cluster: ClusterSpec, p: CostParams) -> float:
+    """Prefill of ``seqs`` prompts of ``prompt_len`` tokens on one replica, ``per_forward`` prompts
+    per forward pass: compute-bound at the per-rank GEMM size's efficiency, plus 2 TP all-reduces
+    per layer and forward."""
+    tokens = per_forward * prompt_len
+    eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.ffn / tp)
+    flops = 2 * model.matmul_params() * prompt_len * seqs
+    attn = 2 * model.layers * model.heads * model.head_dim * prompt_len ** 2 * seqs
+    forwards = math.ceil(seqs / max(1.0, per_forward))
+    peak = tp * pp * cluster.gpu.peak_flops
+    return (flops / (peak * eff) + attn / (peak * p.mfu_attn)
+            + forwards * 2 * model.layers * ar_s(tokens * model.hidden * 2, tp, cluster, p))
+
+
+def decode_iteration_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
+                       p: CostParams, engine: str = "vllm") -> float:
+    """Wall time of one engine iteration decoding ``active`` sequences at context ``ctx``: the
+    larger of the memory- and compute-bound times, the TP collectives, the engine's overhead."""
+    mem, cmp_, comm = decode_step_s(model, tp, pp, active, ctx, cluster, p)
+    return max(mem, cmp_) + comm + p.iteration_overhead_s(engine, active)
 
 
 def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
                   p: CostParams) -> tuple[float, float, float]:
     """One decode step of ``active`` sequences at mean context ``ctx`` on one replica:
     (memory-bound time, compute-bound time, communication). With pp stages the batch is split
-    into pp pipelined micro-batches, so every stage reads its weights pp times per token."""
+    into pp pipelined micro-batches, so every stage reads its weights pp times per token. The
+    compute-bound part uses the per-rank GEMM size (smaller under TP, so less efficient)."""
     gpu = cluster.gpu
     weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
     mem = (pp * weights + active * ctx * kvg) / (p.hbm_eff * gpu.hbm_bytes_per_s)
     flops = active * (2 * model.matmul_params() + 4 * model.layers * model.heads * model.head_dim * ctx)
-    cmp_ = flops / (tp * pp) / (p.mfu_decode * gpu.peak_flops)
-    comm = 2 * model.layers * allreduce_s(active / pp * model.hidden * 2, tp, _group_bw(cluster, tp, p),
-                                          p.allreduce_latency_s)
+    eff = p.matmul_eff(p.mfu_decode, 2 * active / pp * model.hidden * model.ffn / tp)
+    cmp_ = flops / (tp * pp) / (eff * gpu.peak_flops)
+    comm = 2 * model.layers * ar_s(active / pp * model.hidden * 2, tp, cluster, p)
     if pp > 1:
         comm += pp * p2p_s(active / pp * model.hidden * 2, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
     return mem, cmp_, comm

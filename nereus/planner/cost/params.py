@@ -3,7 +3,8 @@ alpha-beta communication primitives that use them.
 
 Defaults are the efficiency anchors of shared/reference/COST_MODEL.md: training MFU 38-55%
 (we take 0.45), prefill 50-70% (0.60), HBM 80-90% (0.85), NVLink all-reduce ~81% of peak,
-inter-node p2p ~72% of 50 GB/s, all-reduce latency floor 30-40 us, p2p 5-8 us.
+inter-node p2p ~72% of 50 GB/s, small all-reduce 10-40 us for the whole operation on 8 GPUs,
+p2p 5-8 us. Fitted GPU profiles (``nereus/calibration/profiles``) replace them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class CostParams:
     """Achieved fraction of peak in forward passes (prefill, log-prob / value inference)."""
     mfu_decode: float = 0.50
     """Achieved fraction of peak in the compute-bound part of a decode step."""
+    mfu_attn: float = 0.40
+    """Achieved fraction of peak in attention's score and value products (FlashAttention kernels,
+    causal masking) of training and prefill: below the GEMMs', and what long sequences pay."""
     matmul_half_flops: float = 0.0
     """Size-dependent matmul efficiency: eff(x) = mfu * x / (x + half) for x FLOPs per GPU per
     kernel call (0 disables; fitted by calibration on small devices)."""
@@ -34,12 +38,23 @@ class CostParams:
     """Achieved fraction of NVLink bandwidth (bus bandwidth) for large messages."""
     inter_link_eff: float = 0.72
     """Achieved fraction of scale-out bandwidth."""
-    allreduce_latency_s: float = 30e-6
-    """alpha of one all-reduce hop."""
+    allreduce_latency_s: float = 3e-6
+    """Latency of one step of a collective inside a node. A whole small all-reduce over n ranks
+    pays 2 * ceil(log2 n) steps (NCCL's LL/tree protocols, NVLS and engines' custom all-reduce
+    are latency-bound, not ring hops): about 18 us on 8 GPUs, the published 10-40 us."""
+    inter_latency_s: float = 12e-6
+    """Latency of one collective step that crosses nodes (each level of the node tree)."""
     p2p_latency_s: float = 8e-6
     """alpha of one point-to-point message."""
     decode_step_overhead_s: float = 1.5e-3
-    """Scheduler / kernel-launch overhead of one decode step of an inference engine."""
+    """Inference-engine overhead of one decode iteration at batch 1 (scheduler, sampling, launch;
+    CUDA graphs keep it small)."""
+    decode_overhead_per_seq_s: float = 2e-5
+    """Growth of the per-iteration overhead with each running sequence (batch preparation,
+    sampling, detokenisation in the scheduler's Python)."""
+    engine_overhead: tuple[tuple[str, float, float], ...] = ()
+    """Per-engine (engine, overhead at batch 1 s, per-sequence s) fitted from published decode
+    tables; an engine not listed uses the two fields above."""
     kv_mem_util: float = 0.90
     """Fraction of usable GPU memory an inference engine may take (vLLM's default 0.9)."""
     act_coeff_hidden: float = 12.0
@@ -60,6 +75,9 @@ class CostParams:
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     host_link_gbps: float = 25.0
     """GPU <-> host bandwidth for CPU offload of a resident state (PCIe Gen5 x16 effective)."""
+    optimizer_bytes_per_param: float = 32.0
+    """HBM bytes an AdamW step moves per parameter it updates (read grad, master, m, v; write
+    master, m, v, param)."""
     stage_factor: tuple[tuple[str, float], ...] = (("generation", 1.0), ("inference", 1.0), ("training", 1.0))
     """Per-stage multiplicative time correction fitted by calibration."""
 
@@ -71,14 +89,27 @@ class CostParams:
                     if stage not in STAGES or not x > 0:
                         raise SpecError(f"cost params: stage_factor {stage}={x} invalid")
                 continue
+            if f.name == "engine_overhead":
+                for row in v:
+                    if len(row) != 3 or not all(isinstance(x, (int, float)) and x >= 0 for x in row[1:]):
+                        raise SpecError(f"cost params: engine_overhead entry {row!r} must be (engine, s >= 0, s >= 0)")
+                continue
             if not isinstance(v, (int, float)) or v < 0:
                 raise SpecError(f"cost params: {f.name} must be a number >= 0, got {v!r}")
-        for f in ("mfu_train", "mfu_prefill", "mfu_decode", "hbm_eff", "intra_link_eff", "inter_link_eff", "kv_mem_util"):
+        for f in ("mfu_train", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
+                  "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:
                 raise SpecError(f"cost params: {f} must be in (0, 1], got {getattr(self, f)}")
 
     def factor(self, stage: str) -> float:
         return dict(self.stage_factor).get(stage, 1.0)
+
+    def iteration_overhead_s(self, engine: str, batch: float) -> float:
+        """Per-iteration overhead of ``engine`` running ``batch`` sequences."""
+        for name, o0, o1 in self.engine_overhead:
+            if name == engine:
+                return o0 + o1 * batch
+        return self.decode_step_overhead_s + self.decode_overhead_per_seq_s * batch
 
     def with_stage_factors(self, **factors: float) -> "CostParams":
         merged = dict(self.stage_factor)
@@ -100,6 +131,7 @@ class CostParams:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stage_factor"] = dict(self.stage_factor)
+        out["engine_overhead"] = {e: [o0, o1] for e, o0, o1 in self.engine_overhead}
         return out
 
     @classmethod
@@ -110,6 +142,13 @@ class CostParams:
             sf = kw["stage_factor"]
             sf = sf.items() if isinstance(sf, Mapping) else sf
             kw["stage_factor"] = tuple((str(s), float(x)) for s, x in sf)
+        if "engine_overhead" in kw:
+            eo = kw["engine_overhead"]
+            eo = [(e, *v) for e, v in eo.items()] if isinstance(eo, Mapping) else eo
+            try:
+                kw["engine_overhead"] = tuple((str(e), float(a), float(b)) for e, a, b in eo)
+            except (TypeError, ValueError):
+                raise SpecError(f"cost params: engine_overhead must map engine -> [s, s per sequence], got {eo!r}") from None
         return cls(**kw)
 
     @classmethod
@@ -121,19 +160,57 @@ class CostParams:
         return cls.from_dict(data.get("params", data))
 
 
-# ---- alpha-beta communication ------------------------------------------------------------------
-def allreduce_s(nbytes: float, n: int, bw_bytes_per_s: float, alpha: float) -> float:
-    """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * S/B (Thakur, Rabenseifner, Gropp 2005)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw_bytes_per_s
+# ---- communication ---------------------------------------------------------------------------------
+def latency_steps(n: int) -> int:
+    """Steps of a latency-bound collective over n ranks: ceil(log2 n) (tree / recursive doubling)."""
+    return (n - 1).bit_length() if n > 1 else 0
 
 
-def allgather_s(nbytes: float, n: int, bw_bytes_per_s: float, alpha: float) -> float:
-    """Ring all-gather or reduce-scatter of a total of S bytes: (n-1) alpha + (n-1)/n * S/B."""
+def allreduce_s(nbytes: float, n: int, bw_bytes_per_s: float, alpha: float, *, nodes: int = 1,
+                alpha_inter: float = 0.0, bw_inter: float | None = None) -> float:
+    """Whole all-reduce of S bytes over n ranks on ``nodes`` nodes.
+
+    Latency: 2 * ceil(log2 ranks per node) intra-node steps plus 2 * ceil(log2 nodes) inter-node
+    steps (small messages: NCCL LL / tree, NVLS, custom all-reduce), not alpha per ring hop, which
+    overcharged tensor-parallel decode about 10x.
+    Bandwidth: one node, ring: 2(n-1)/n * S/B (Thakur, Rabenseifner, Gropp 2005). Several nodes with
+    ``bw_inter`` (per-GPU scale-out) given: hierarchical, as NCCL runs it: reduce-scatter and
+    all-gather inside each node (2(g-1)/g * S over NVLink, g ranks per node) while every rank's
+    NIC carries 1/g of the inter-node ring (2(k-1)/k * S/g over k nodes), the two pipelined, so the
+    slower one sets the time. That is why 2-node all-reduce bus bandwidth exceeds one NIC's."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * alpha + (n - 1) / n * nbytes / bw_bytes_per_s
+    nodes = max(1, min(nodes, n))
+    g = -(-n // nodes)
+    lat = 2 * (latency_steps(g) * alpha + latency_steps(nodes) * max(alpha_inter, alpha))
+    if nodes == 1 or bw_inter is None:
+        return lat + 2 * (n - 1) / n * nbytes / bw_bytes_per_s
+    intra = 2 * (g - 1) / g * nbytes / bw_bytes_per_s if g > 1 else 0.0
+    inter = 2 * (nodes - 1) / nodes * nbytes / (g * bw_inter)
+    return lat + max(intra, inter)
+
+
+def allgather_s(nbytes: float, n: int, bw_bytes_per_s: float, alpha: float, *, nodes: int = 1,
+                alpha_inter: float = 0.0, bw_inter: float | None = None) -> float:
+    """All-gather or reduce-scatter of a total of S bytes: half the all-reduce's latency steps and
+    (n-1)/n * S/B on one node; hierarchical across nodes as in ``allreduce_s``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    nodes = max(1, min(nodes, n))
+    g = -(-n // nodes)
+    lat = latency_steps(g) * alpha + latency_steps(nodes) * max(alpha_inter, alpha)
+    if nodes == 1 or bw_inter is None:
+        return lat + (n - 1) / n * nbytes / bw_bytes_per_s
+    intra = (g - 1) / g * nbytes / bw_bytes_per_s if g > 1 else 0.0
+    inter = (nodes - 1) / nodes * nbytes / (g * bw_inter)
+    return lat + max(intra, inter)
+
+
+def alltoall_s(nbytes: float, n: int, bw_bytes_per_s: float, alpha: float) -> float:
+    """All-to-all of S bytes held per rank over n ranks: each rank sends (n-1)/n of it."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return latency_steps(n) * alpha + (n - 1) / n * nbytes / bw_bytes_per_s
 
 
 def p2p_s(nbytes: float, bw_bytes_per_s: float, alpha: float) -> float:

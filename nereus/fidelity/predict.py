@@ -1,0 +1,309 @@
+"""A corpus row's prediction by the planner's cost model: the same functions the planner prices
+plans with (``nereus.planner.cost``), fed the row's configuration.
+
+- decode: one engine iteration (``decode_iteration_s``) at the row's batch and mean context, plus
+  the prefill of that batch for whole-request throughput and latency; an offline max-throughput
+  run gets the engine's concurrency (max_num_seqs, capped by what the KV cache holds);
+- prefill: ``prefill_s`` of one prompt plus one iteration's overhead;
+- collectives: ``allreduce_s`` / ``allgather_s`` at the row's size, GPU count and nodes;
+- training: ``estimate(actor/training)`` of one optimizer step of the row's global batch;
+- RL stages: ``estimate`` of the matching model-stage of a job built from the row's config.
+
+A row the model cannot express (request-rate serving runs, dataset-driven lengths, MoE models,
+unknown hardware, an RL row without its mean response length) gets no prediction and a reason.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from nereus.errors import NereusError
+from nereus.fidelity.catalog import engine_of, profile_gpu, resolve_gpu, resolve_model, with_precision
+from nereus.fidelity.corpus import Row
+from nereus.models.spec import ModelSpec
+from nereus.planner.cost.model import (GiB, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu, params_per_gpu,
+                                       prefill_s, weight_sync_s)
+from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s
+from nereus.planner.specs import (BatchSpec, ClusterSpec, GPUSpec, JobSpec, ParallelConfig, RolloutSpec, SequenceSpec,
+                                  Workload, GPU_PRESETS)
+
+ParamsFor = Callable[[str], CostParams]
+"""GPU profile name -> the cost parameters to predict its rows with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    row: Row
+    predicted: float | None
+    reason: str = ""
+    """Why there is no prediction (empty when there is one)."""
+    profile: str = ""
+    """The GPU profile the row is predicted with."""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.predicted is None else self.predicted / self.row.value
+
+
+class Unsupported(Exception):
+    """The row describes something the cost model does not express."""
+
+
+def row_gpu(row: Row) -> str | None:
+    """The profile a row belongs to (for fitting and prediction), or None."""
+    gpu, _ = resolve_gpu(row.hardware)
+    return None if gpu is None else profile_gpu(gpu)
+
+
+def predict(row: Row, params_for: ParamsFor) -> Prediction:
+    gpu, why = resolve_gpu(row.hardware)
+    if gpu is None:
+        return Prediction(row, None, why)
+    prof = profile_gpu(gpu)
+    try:
+        p = params_for(prof)
+        value = _PREDICTORS[row.category](row, gpu, p)
+    except Unsupported as e:
+        return Prediction(row, None, str(e), prof)
+    except NereusError as e:
+        return Prediction(row, None, f"not expressible: {str(e).splitlines()[0]}", prof)
+    if value is None or not math.isfinite(value) or value <= 0:
+        return Prediction(row, None, "the model predicts no finite value (does not fit in memory)", prof)
+    return Prediction(row, float(value), "", prof)
+
+
+def _model(row: Row, gpu: GPUSpec) -> tuple[ModelSpec, GPUSpec]:
+    model, why = resolve_model(row.model)
+    if model is None:
+        raise Unsupported(why)
+    model, gpu, why = with_precision(model, gpu, row.get("dtype"))
+    if why:
+        raise Unsupported(why)
+    return model, gpu
+
+
+def _replica_cluster(gpu: GPUSpec, n: int) -> ClusterSpec:
+    return ClusterSpec(gpu=gpu, nodes=max(1, math.ceil(n / 8)), gpus_per_node=min(8, max(1, n)))
+
+
+def _int(row: Row, key: str, default: int | None = None) -> int:
+    v = row.num(key)
+    if v is None:
+        if default is None:
+            raise Unsupported(f"config has no numeric {key}")
+        return default
+    return int(v)
+
+
+# ---- inference engines -------------------------------------------------------------------------------
+def _lengths(row: Row) -> tuple[float, float]:
+    inp, out = row.num("input_len"), row.num("output_len")
+    if inp is None or out is None:
+        raise Unsupported("dataset-driven lengths (e.g. ShareGPT): no fixed input/output length")
+    return inp, out
+
+
+def _concurrency(row: Row, model: ModelSpec, gpu: GPUSpec, tp: int, pp: int, inp: float, out: float) -> int:
+    b = row.get("batch", "max")
+    if b == "online" or row.get("request_rate") not in (None, "inf"):
+        raise Unsupported("request-rate serving run: depends on the arrival process")
+    if b not in ("max", "unstated", None):
+        return max(1, int(float(b)))
+    cap = int(row.num("max_num_seqs") or row.num("max_concurrency") or 256)
+    kv_room = gpu.usable_bytes * 0.9 - model.dtype_bytes * params_per_gpu(model, tp, pp) - GiB
+    per_seq = kv_bytes_per_token_per_gpu(model, tp, pp) * (inp + out)
+    n_req = int(row.num("num_requests") or cap)
+    return max(1, min(cap, n_req, int(kv_room // per_seq)))
+
+
+def _decode(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    model, gpu = _model(row, gpu)
+    tp, pp = _int(row, "tp", 1), _int(row, "pp", 1)
+    inp, out = _lengths(row)
+    c = _concurrency(row, model, gpu, tp, pp, inp, out)
+    cluster = _replica_cluster(gpu, tp * pp)
+    engine = engine_of(row.engine)
+    t_iter = decode_iteration_s(model, tp, pp, c, inp + out / 2, cluster, p, engine)
+    t_pre = prefill_s(model, tp, pp, inp, c, c, cluster, p)
+    batch_s = t_pre + out * t_iter
+    replicas = max(1, row.gpus // (tp * pp)) if row.gpus else 1
+    m = row.metric
+    if m in ("tpot_ms", "median_tpot_ms", "median_itl_ms", "itl_ms"):
+        return t_iter * 1e3
+    if m == "e2e_latency_ms":
+        return batch_s * 1e3
+    if m in ("output_tok_s", "throughput_tok_s"):
+        return replicas * c * out / batch_s
+    if m == "output_tok_s_per_gpu":
+        return replicas * c * out / batch_s / max(1, row.gpus)
+    if m == "total_tok_s":
+        return replicas * c * (inp + out) / batch_s
+    raise Unsupported(f"decode metric {m!r} not modelled")
+
+
+def _prefill(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    model, gpu = _model(row, gpu)
+    tp, pp = _int(row, "tp", 1), _int(row, "pp", 1)
+    inp, _ = _lengths(row)
+    b = row.get("batch", "1")
+    if b == "online" or row.get("request_rate") not in (None, "inf"):
+        raise Unsupported("request-rate serving run: depends on the arrival process")
+    c = max(1, int(float(b))) if b not in ("max", "unstated") else 1
+    cluster = _replica_cluster(gpu, tp * pp)
+    t = prefill_s(model, tp, pp, inp, c, c, cluster, p) + p.iteration_overhead_s(engine_of(row.engine), c)
+    if row.metric in ("ttft_ms", "median_ttft_ms"):
+        return t * 1e3
+    if row.metric == "input_tok_s":
+        return c * inp / t
+    raise Unsupported(f"prefill metric {row.metric!r} not modelled")
+
+
+# ---- collectives ---------------------------------------------------------------------------------------
+def _collective(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    op, size = row.get("op"), row.num("msg_bytes")
+    n = _int(row, "gpus", row.gpus or 0)
+    nodes = _int(row, "nodes", 1)
+    if size is None or n < 2:
+        raise Unsupported("collective row without message size or with fewer than 2 GPUs")
+    intra, inter = gpu.intra_node_gbps * p.intra_link_eff * 1e9, gpu.inter_node_gbps * p.inter_link_eff * 1e9
+    kw = dict(nodes=nodes, alpha_inter=p.inter_latency_s, bw_inter=inter)
+    if op == "all_reduce":
+        t, factor = allreduce_s(size, n, intra, p.allreduce_latency_s, **kw), 2 * (n - 1) / n
+    elif op in ("all_gather", "reduce_scatter"):
+        t, factor = allgather_s(size, n, intra, p.allreduce_latency_s, **kw), (n - 1) / n
+    else:
+        raise Unsupported(f"collective {op!r} not modelled")
+    if row.metric == "latency_us":
+        return t * 1e6
+    if row.metric == "busbw_gbs":
+        return size * factor / t / 1e9
+    if row.metric == "algbw_gbs":
+        return size / t / 1e9
+    raise Unsupported(f"collective metric {row.metric!r} not modelled")
+
+
+# ---- training --------------------------------------------------------------------------------------------
+def _tokens(text: str | None) -> float | None:
+    """'16M' -> 16e6, '4096' -> 4096."""
+    if not text:
+        return None
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9}.get(text[-1].lower(), 1.0)
+    try:
+        return float(text[:-1] if mult != 1.0 else text) * mult
+    except ValueError:
+        return None
+
+
+def _one_model_job(model: ModelSpec, seqs: int = 2) -> JobSpec:
+    return JobSpec(algorithm="grpo", models=(("actor", model),), batch=BatchSpec(prompts=1, samples_per_prompt=2),
+                   sequence=SequenceSpec(prompt_len=1, response_len_mean=1, response_len_max=1))
+
+
+def model_flops(model: ModelSpec, seqs: float, seq_len: float) -> float:
+    """Model FLOPs of one training step (the MFU numerator): 6 N per token plus causal-free attention."""
+    return 6 * model.matmul_params() * seqs * seq_len + 6 * model.layers * model.heads * model.head_dim * seqs * seq_len ** 2
+
+
+def _training(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    model, gpu_run = _model(row, gpu)
+    if (row.get("dtype") or "").lower().startswith("fp8"):
+        raise Unsupported("FP8 training: not modelled (the planner plans bf16 training; FP8 casts and scaling "
+                          "are mechanisms the model does not carry)")
+    if "tp" not in row.config:
+        raise Unsupported("parallel layout (tp/pp/dp) not stated")
+    tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
+    gpus = row.gpus or _int(row, "gpus")
+    dp = _int(row, "dp", gpus // (tp * pp * cp))
+    if tp * pp * dp * cp != gpus:
+        raise Unsupported(f"tp*pp*dp*cp = {tp * pp * dp * cp} != {gpus} GPUs")
+    seq = _int(row, "seq_len")
+    mb = _int(row, "micro_batch", 1)
+    gb = row.num("global_batch")
+    if gb is None:
+        tokens = _tokens(row.get("tokens_per_batch"))
+        gb = tokens / seq if tokens else mb * _int(row, "grad_accum", 1) * dp
+    rec = row.get("recompute", "none")
+    zero = 3 if "fsdp" in (row.get("sharding") or "") or "full_shard" in (row.get("sharding") or "") else 1
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp * cp, sp=cp, micro_batch=mb, zero=zero, recompute=rec == "full")
+    cluster = _replica_cluster(gpu_run, gpus)
+    w = Workload(sequences=max(1, int(round(gb))), prompt_len=max(1, seq - 1), response_len_mean=1, response_len_max=1)
+    e = estimate(_one_model_job(model), cluster, "actor/training", cfg, w, p)
+    t = e.time_s
+    if row.metric == "tok_s_per_gpu":
+        return gb * seq / (t * gpus)
+    flops = model_flops(model, gb, seq)
+    if row.metric == "mfu":
+        return flops / (t * gpus * GPU_PRESETS.get(gpu.name, gpu).peak_flops)
+    if row.metric == "tflops_per_gpu":
+        return flops / (t * gpus) / 1e12
+    raise Unsupported(f"training metric {row.metric!r} not modelled")
+
+
+# ---- RL stages --------------------------------------------------------------------------------------------
+RL_STAGES = {"gen": "actor/generation", "generate_sequences": "actor/generation", "old_log_prob": "actor/inference",
+             "ref": "ref/inference", "values": "critic/inference", "update_actor": "actor/training",
+             "actor_train": "actor/training", "update_critic": "critic/training"}
+
+
+def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
+    algo = (row.get("algo") or "grpo").lower()
+    algo = "ppo" if algo == "ppo" else "grpo"
+    prompts = _int(row, "train_batch", _int(row, "prompts", 0) or None)
+    n = _int(row, "rollout_n", 1 if algo == "ppo" else 0) or None
+    if n is None:
+        raise Unsupported("GRPO-family row without rollout_n")
+    mean = row.num("mean_response_len")
+    cap = row.num("max_response_len")
+    if mean is None or cap is None:
+        raise Unsupported("mean or max response length not stated")
+    prompt = _int(row, "max_prompt_len", 0) or _int(row, "context_len", 0) or None
+    if prompt is None:
+        raise Unsupported("prompt length not stated")
+    mini = _int(row, "ppo_mini_batch", prompts)
+    roles = [("actor", model), ("ref", model)] + ([("critic", model)] if algo == "ppo" else [])
+    if algo == "grpo" and n < 2:
+        n = 2
+    job = JobSpec(algorithm=algo, models=tuple(roles),
+                  batch=BatchSpec(prompts=prompts, samples_per_prompt=n, mini_batches=max(1, prompts // max(1, mini))),
+                  sequence=SequenceSpec(prompt_len=prompt, response_len_mean=min(mean, cap), response_len_max=int(cap)),
+                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine), sleep="colocate" in (row.get("mode") or "colocate")))
+    return job, job.workload()
+
+
+def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    model, gpu = _model(row, gpu)
+    stage = row.get("stage", "")
+    gpus = row.gpus
+    if not gpus:
+        raise Unsupported("GPU count not stated")
+    job, w = rl_job(row, model)
+    cluster = _replica_cluster(gpu, gpus)
+    tp, pp = _int(row, "tp", 1), _int(row, "pp", 1)
+    if gpus % (tp * pp):
+        raise Unsupported(f"tp*pp = {tp * pp} does not divide {gpus} GPUs")
+    fsdp = "fsdp" in (row.get("actor_backend") or "fsdp")
+    budget = _int(row, "ppo_max_token_len_per_gpu", 0)
+    train = ParallelConfig(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=3 if fsdp else 1, micro_batch=1,
+                           token_budget=budget, recompute=True)
+    rtp = _int(row, "rollout_tp", tp)
+    gen = ParallelConfig(tp=rtp, dp=gpus // rtp)
+
+    def stage_s(ms: str) -> float:
+        cfg = gen if ms.endswith("generation") else train
+        return estimate(job, cluster, ms, cfg, w, p).time_s
+
+    if stage in RL_STAGES:
+        ms = RL_STAGES[stage]
+        if ms not in job.model_stages():
+            raise Unsupported(f"stage {stage} has no model-stage in this job")
+        return stage_s(ms)
+    if stage == "update_weights":
+        return weight_sync_s(model, train, gen, cluster, True, p)
+    if stage == "step":
+        return sum(stage_s(ms) for ms in job.model_stages()) + weight_sync_s(model, train, gen, cluster, True, p)
+    raise Unsupported(f"RL stage {stage!r} not modelled")
+
+
+_PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,
+               "rl_stages": _rl}
