@@ -2,8 +2,22 @@
 correction factors for the cost model, so a user can calibrate against their own cluster from
 logs alone.
 
-Accepted formats: JSONL (one JSON object per line, e.g. verl's file logger or a W&B export) and
-CSV with a header row. Accepted keys (anything else is reported once and ignored):
+Accepted formats (``fmt="auto"`` tells them apart: ``.csv`` is CSV; a file whose first record line
+opens with ``{`` is JSONL; a file with ``step:N - `` records is a verl console log):
+
+- **JSONL**: one JSON object per line (verl's file logger, a W&B ``history`` dump).
+- **CSV** with a header row, including W&B CSV exports of a run's history (``_step`` is the step;
+  W&B's other ``_``-prefixed columns, ``_runtime`` and ``_timestamp``, are ignored quietly).
+- **verl console log**: verl's console logger prints one line per step,
+  ``step:12 - actor/pg_loss:0.01 - timing_s/gen:35.2 - response_length/mean:812.5 - ...``
+  (``verl/utils/logger/aggregate_logger.py``, ``concat_dict_to_str`` in the verl 0.9.1 wheel;
+  real lines in verl-project/verl issues #2060 and #7412). Values are ``pprint.pformat`` of
+  numbers, so NumPy scalars appear as ``np.float64(35.2)``. Lines may carry a Ray prefix
+  (``(TaskRunner pid=2412) step:1 - ...``) or colour codes; other lines (Ray, progress bars) are
+  not records. Records with neither a timer nor a response length (validation lines such as
+  ``step:0 - val-core/...``) are skipped and counted in one message.
+
+Accepted keys (anything else is reported once and ignored):
 
 ================================  =====================================================
 key                               meaning
@@ -19,19 +33,21 @@ key                               meaning
 ``response_length/mean``          mean response tokens this step (required)
 ``response_length/max``           longest response this step (default: the job's cap)
 ``prompt_length/mean``            mean prompt tokens (default: the job's prompt_len)
-``step``, ``training/global_step``  step number (default: line order)
+``step``, ``training/global_step``, ``_step``  step number (default: line order)
 ``timing_s/step`` and other ``timing_s/*``  known verl timers without a model-stage: ignored quietly
 ================================  =====================================================
 
 Bad input never loses good rows: a malformed line, a non-numeric value or a row without
 ``response_length/mean`` is skipped with a message naming the line; missing timers leave that
-model-stage empty for the row.
+model-stage empty for the row. ``strict=True`` turns the first such message into an error that
+names the file and the line.
 """
 from __future__ import annotations
 
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -51,7 +67,12 @@ STAGE_KEYS: dict[str, str] = {
 }
 WORKLOAD_KEYS = {"response_length/mean": "response_len_mean", "response_length/max": "response_len_max",
                  "prompt_length/mean": "prompt_len"}
-STEP_KEYS = ("step", "training/global_step")
+STEP_KEYS = ("step", "training/global_step", "_step")
+FORMATS = ("auto", "jsonl", "csv", "verl-console")
+VERL_RECORD = re.compile(r"(?:^|(?<=[\s)\]]))step:(\d+) - ")
+"""Where a verl console record starts in a line (after an optional Ray or logging prefix)."""
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+NUMPY_SCALAR = re.compile(r"^np\.(?:float|int|uint)\d*\((.*)\)$")
 REQUIRED = "response_length/mean"
 
 
@@ -101,7 +122,7 @@ def _row(record: Mapping[str, Any], where: str, issues: list[str], unknown: set[
         stage = stage_of_key(key)
         field = stage or WORKLOAD_KEYS.get(key) or ("step" if key in STEP_KEYS else None)
         if field is None:
-            if not key.startswith("timing_s/"):
+            if not key.startswith(("timing_s/", "_")):  # verl timers without a model-stage; W&B's own columns
                 unknown.add(key)
             continue
         x = _number(raw)
@@ -118,22 +139,36 @@ def _row(record: Mapping[str, Any], where: str, issues: list[str], unknown: set[
     return out
 
 
-def _records(path: Path, text: str, issues: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
+def detect_format(path: Path, text: str) -> str:
+    """``csv`` by suffix; ``jsonl`` when the first non-empty line opens a JSON object; ``verl-console``
+    when any line holds a verl ``step:N - `` record; else ``jsonl`` (whose errors then say why)."""
     if path.suffix.lower() == ".csv":
-        reader = csv.reader(text.splitlines())
-        try:
-            header = next(reader)
-        except StopIteration:
-            return []
-        out = []
-        for n, cells in enumerate(reader, start=2):
-            if not any(c.strip() for c in cells):
-                continue
-            if len(cells) != len(header):
-                issues.append(f"line {n}: {len(cells)} fields, header has {len(header)}; row skipped")
-                continue
-            out.append((f"line {n}", dict(zip(header, cells))))
-        return out
+        return "csv"
+    lines = text.splitlines()
+    first = next((x.strip() for x in lines if x.strip()), "")
+    if first.startswith("{"):
+        return "jsonl"
+    return "verl-console" if any(VERL_RECORD.search(ANSI.sub("", x)) for x in lines) else "jsonl"
+
+
+def _csv_records(text: str, issues: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
+    reader = csv.reader(text.splitlines())
+    try:
+        header = next(reader)
+    except StopIteration:
+        return []
+    out = []
+    for n, cells in enumerate(reader, start=2):
+        if not any(c.strip() for c in cells):
+            continue
+        if len(cells) != len(header):
+            issues.append(f"line {n}: {len(cells)} fields, header has {len(header)}; row skipped")
+            continue
+        out.append((f"line {n}", dict(zip(header, cells))))
+    return out
+
+
+def _jsonl_records(text: str, issues: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
     out = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -150,18 +185,76 @@ def _records(path: Path, text: str, issues: list[str]) -> list[tuple[str, Mappin
     return out
 
 
-def read_log(path: str | Path) -> LogTable:
-    """Read a JSONL or CSV job log. Raises only when the file is missing or has no usable row."""
+def parse_verl_line(line: str) -> dict[str, str] | None:
+    """One verl console record as {key: value text}, or None when the line holds none.
+    Raises ValueError naming the field that is not ``key:value``.
+
+    >>> parse_verl_line("(TaskRunner pid=7) step:3 - timing_s/gen:np.float64(35.2) - response_length/mean:812.5")
+    {'step': '3', 'timing_s/gen': '35.2', 'response_length/mean': '812.5'}"""
+    line = ANSI.sub("", line).rstrip()
+    m = VERL_RECORD.search(line)
+    if m is None:
+        return None
+    out = {"step": m.group(1)}
+    for i, field in enumerate(line[m.end():].split(" - "), start=2):
+        key, sep, value = field.strip().rpartition(":")
+        if not sep or not key:
+            raise ValueError(f"field {i} {field.strip()!r} is not key:value")
+        value = value.strip()
+        scalar = NUMPY_SCALAR.match(value)
+        out[key.strip()] = scalar.group(1) if scalar else value
+    return out
+
+
+def _verl_console_records(text: str, issues: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
+    out, quiet = [], []
+    for n, line in enumerate(text.splitlines(), start=1):
+        try:
+            rec = parse_verl_line(line)
+        except ValueError as e:
+            issues.append(f"line {n}: {e}; row skipped")
+            continue
+        if rec is None:
+            continue
+        if not any(k.startswith(("timing_s/", "time_s/")) or k in WORKLOAD_KEYS for k in rec):
+            quiet.append(n)  # a validation line: no timers, no lengths
+            continue
+        out.append((f"line {n}", rec))
+    if quiet:
+        shown = ", ".join(map(str, quiet[:8])) + (" ..." if len(quiet) > 8 else "")
+        issues.append(f"skipped {len(quiet)} step record(s) without timers or lengths (validation?): line {shown}")
+    return out
+
+
+def _records(path: Path, text: str, issues: list[str], fmt: str = "auto") -> list[tuple[str, Mapping[str, Any]]]:
+    fmt = detect_format(path, text) if fmt == "auto" else fmt
+    if fmt == "csv":
+        return _csv_records(text, issues)
+    if fmt == "verl-console":
+        return _verl_console_records(text, issues)
+    return _jsonl_records(text, issues)
+
+
+def read_log(path: str | Path, *, fmt: str = "auto", strict: bool = False) -> LogTable:
+    """Read a job log (JSONL, CSV / W&B export, or verl console log; see the module docstring).
+    Raises when the file is missing or has no usable row, and with ``strict`` at the first line
+    that is malformed or holds a bad value."""
+    if fmt not in FORMATS:
+        raise SpecError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     p = Path(path)
     text = read_text(p, "job log")
     issues: list[str] = []
     unknown: set[str] = set()
-    recs = _records(p, text, issues)
+    recs = _records(p, text, issues, fmt)
     rows = []
     for where, rec in recs:
         r = _row(rec, where, issues, unknown)
         if r is not None:
             rows.append(r)
+    if strict:
+        bad = sorted((i for i in issues if i.startswith("line ")), key=lambda i: int(i.split()[1].rstrip(":")))
+        if bad:
+            raise SpecError(f"job log {p}: {bad[0]} ({len(bad)} problem line(s); without --strict they are skipped)")
     if unknown:
         shown = sorted(unknown)
         more = f" and {len(shown) - 12} more" if len(shown) > 12 else ""

@@ -23,7 +23,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="OUT.md", help="write the error tables and parameters as Markdown")
     p.add_argument("--csv-dir", metavar="DIR", help="also save the raw measurement tables as CSV")
     g = p.add_argument_group("from job logs")
-    g.add_argument("--from-logs", metavar="LOG", help="per-step timing log (JSONL or CSV, verl-style keys)")
+    g.add_argument("--from-logs", metavar="LOG",
+                   help="per-step timing log: JSONL, CSV (a W&B export too) or a verl console log, verl-style keys")
+    g.add_argument("--log-format", choices=("auto", "jsonl", "csv", "verl-console"), default="auto",
+                   help="format of LOG (auto: .csv is CSV, '{' lines JSONL, 'step:N - ' lines a verl console log)")
+    g.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) at the first malformed line or bad value instead of skipping it")
     g.add_argument("--job", help="job YAML the log came from")
     g.add_argument("--cluster", help="cluster YAML the log came from")
     g.add_argument("--plan", help="plan JSON the job ran with (default: --tp/--pp, DP over the whole cluster)")
@@ -90,10 +95,10 @@ def _run_logs(args: argparse.Namespace) -> int:
             raise SpecError(f"tp({args.tp}) * pp({args.pp}) does not divide the cluster's {cluster.num_gpus} GPUs")
         cfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=cluster.num_gpus // (args.tp * args.pp))
         configs = {ms: cfg for ms in job.model_stages()}
-    table = read_log(args.from_logs)
+    table = read_log(args.from_logs, fmt=args.log_format, strict=args.strict)
     con = console()
     for msg in table.issues:
-        con.print(f"warning: {args.from_logs}: {msg}")
+        con.print(f"warning: {args.from_logs}: {msg}", soft_wrap=True)  # one line each, for grep
     res = fit_from_logs(table, job, cluster, configs, params)
     hw = base_prof.hardware if base_prof else Hardware.from_dict({
         "name": cluster.gpu.name, "memory_gib": cluster.gpu.memory_gib, "tflops_bf16": cluster.gpu.tflops_bf16,

@@ -1,12 +1,14 @@
-"""nereus plan: the best memory-feasible plan (TP/PP/DP and pool of every model-stage), or a sweep
-of how it changes as one workload knob grows."""
+"""nereus plan: the best memory-feasible plan (TP/PP/DP and pool of every model-stage), a sweep of
+how it changes as one workload knob grows, or the plan as a verl / OpenRLHF launch command (--emit)."""
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from nereus.commands.common import GiB, add_job_cluster, console, load_specs, pos_float, pos_int, write_json
 from nereus.errors import InfeasibleError, SpecError
+from nereus.frameworks import FRAMEWORKS, VERL_ENGINES
 
 SWEEP_KEYS = ("response-len-mean", "response-len-max", "gpus")
 
@@ -32,6 +34,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "e.g. response-len-mean=1024:32768:x2 (the cap keeps the job's max/mean ratio)")
     p.add_argument("--plot", metavar="OUT.png", help="with --sweep: write a PNG of step time against the knob")
     p.add_argument("--json", metavar="OUT", help="write the plan (or the sweep rows) as JSON")
+    g = p.add_argument_group("launch configuration")
+    g.add_argument("--emit", choices=FRAMEWORKS,
+                   help="write the plan as the framework's launch command (verl Hydra overrides, OpenRLHF "
+                        "train_ppo_ray flags); where the framework cannot express the plan, the comments name what "
+                        "and the command holds the closest plan it can express")
+    g.add_argument("--out", metavar="FILE", help="with --emit: write the launch script here, atomically "
+                                                 "(default: stdout, with the tables on stderr)")
+    g.add_argument("--verl-engine", choices=VERL_ENGINES, default="auto",
+                   help="with --emit verl: Megatron (TP/PP, ZeRO-1) or FSDP (ZeRO-3); auto takes the faster")
+    g.add_argument("--dynamic-bsz", action="store_true",
+                   help="with --emit: pack micro-batches by tokens (micro-batch x (prompt + response cap) per GPU) "
+                        "instead of a fixed number of sequences")
     return p
 
 
@@ -86,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
     job, cluster, params = load_specs(args)
     if args.plot and not args.sweep:
         raise SpecError("--plot needs --sweep")
+    if (args.out or args.dynamic_bsz) and not args.emit:
+        raise SpecError(f"{'--out' if args.out else '--dynamic-bsz'} needs --emit {'|'.join(FRAMEWORKS)} "
+                        f"(--json writes the plan itself)")
+    if args.verl_engine != "auto" and args.emit != "verl":
+        raise SpecError(f"--verl-engine {args.verl_engine} needs --emit verl")
+    if args.emit and args.sweep:
+        raise SpecError("--emit writes the launch command of one plan; it does not combine with --sweep")
     if args.sweep:
         return _run_sweep(args, job, cluster, params)
     problem = _problem(args, job, cluster, params)
@@ -93,30 +114,65 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, sol.to_dict())
     if sol.plan is None:
         raise InfeasibleError(f"INFEASIBLE: {sol.message}")
+    if args.emit:
+        return _run_emit(args, problem, sol)
     print_plan(problem, sol)
     return 0
 
 
-def print_plan(problem, sol) -> None:
+def _run_emit(args: argparse.Namespace, problem, sol) -> int:
+    """The optimum, then the framework's launch command (stdout, or --out with the tables on stdout)."""
+    from nereus.frameworks import emit
+    from nereus.frameworks.common import write_atomic
+
+    con = console(stderr=not args.out)
+    print_plan(problem, sol, con)
+    em = emit(args.emit, problem, sol.plan, lambda q: _solve(args, q), verl_engine=args.verl_engine,
+              dynamic_bsz=args.dynamic_bsz)
+    if em.gaps:
+        con.print(f"[bold]{em.framework} cannot express this plan:[/]")
+        for gap in em.gaps:
+            con.print(f"  - {gap}", soft_wrap=True)
+        con.print(f"closest plan {em.framework} can express ({em.variant}):")
+        con.print(plan_table(problem, em.plan))
+        con.print(f"predicted step time: [bold]{em.step_time_s:.2f} s[/] in {em.framework} beside "
+                  f"{em.optimum.step_time_s:.2f} s for the optimum ({100 * em.slowdown:+.1f}%)")
+    else:
+        con.print(f"{em.framework} expresses the optimal plan as is ({em.variant}): predicted step time "
+                  f"[bold]{em.step_time_s:.2f} s[/]")
+    text = em.render(title=f"{args.job} on {args.cluster}")
+    if args.out:
+        write_atomic(args.out, text)
+        con.print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def plan_table(problem, plan):
     from rich.table import Table
 
-    con = console()
+    cap = problem.cluster.gpu.usable_bytes / GiB
+    offloaded = dict(plan.extras).get("offload") or ()
+    t = Table("model-stage", "tp", "pp", "dp", "options", "pool", "GPUs", "time (s)", "mem/GPU (GiB)")
+    for s in plan.stages:
+        cfg = s.config
+        opts = "" if s.stage == "generation" else f"mb{cfg.micro_batch}" + \
+            (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "") + \
+            (" offload" if s.name in offloaded else "")
+        t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
+                  f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
+                  f"{s.mem_gib:.1f} / {cap:.1f}")
+    return t
+
+
+def print_plan(problem, sol, con=None) -> None:
+    con = con or console()
     con.width = max(con.width, 120)
     c, w = problem.cluster, problem.workload
     con.print(f"[bold]{problem.job.algorithm.upper()}[/] on {c.num_gpus} x {c.gpu.name}, {w.sequences} sequences x "
               f"({w.prompt_len} prompt + {w.response_len_mean:g} mean / {w.response_len_max} max response)")
-    cap = c.gpu.usable_bytes / GiB
-    t = Table("model-stage", "tp", "pp", "dp", "options", "pool", "GPUs", "time (s)", "mem/GPU (GiB)")
-    for s in sol.plan.stages:
-        cfg = s.config
-        offloaded = s.name in (dict(sol.plan.extras).get("offload") or ())
-        opts = "" if s.stage == "generation" else f"mb{cfg.micro_batch}" + \
-            (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "") + \
-            (" offload" if offloaded else "")
-        t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
-                  f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
-                  f"{s.mem_gib:.1f} / {cap:.1f}")
-    con.print(t)
+    con.print(plan_table(problem, sol.plan))
     ex = dict(sol.plan.extras)
     phases = ", ".join(f"{x:.2f}" for x in ex.get("phase_makespan_s", ()))
     con.print(f"predicted step time: [bold]{sol.plan.step_time_s:.2f} s[/] (phases {phases}; weight sync "
