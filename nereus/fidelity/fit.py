@@ -1,7 +1,8 @@
 """Fitted GPU profiles: the cost model's coefficients for one GPU, fitted on the fit split of the
 corpus only (``corpus.fit_rows``), by one reproducible command (``nereus fit-profiles``).
 
-Procedure: minimise the robust (soft-L1) sum of log(predicted / measured) over the GPU's fit rows,
+Procedure: minimise the robust (soft-L1) sum of log(predicted / measured) over the GPU's fit rows
+(plus the collective rows of GPUs on the same interconnect, ``LINK_FAMILIES``),
 in log space of each coefficient, within physical bounds (``FITTED``), with a weak prior pulling
 each coefficient toward its analytic default (one unit of residual per factor ``PRIOR_WIDTH`` away),
 so a coefficient the GPU's rows do not constrain stays at the analytic value instead of drifting.
@@ -37,11 +38,15 @@ FITTED: tuple[tuple[str, float, float], ...] = (
 """(CostParams field, lower bound, upper bound): the coefficients a profile fits."""
 ENGINE_BOUNDS = ((5e-5, 5e-2), (1e-7, 1e-3))
 PRIOR_WIDTH = 4.0
+LINK_FAMILIES = (("h100-80gb", "h200", "h20", "h800"), ("a100-80gb", "a800-80gb", "a100-40gb"))
+"""GPUs that share an interconnect generation (NVLink 4 / NVSwitch 3 with NDR InfiniBand; NVLink 3):
+their collective rows are fitted together, since link latency and efficiency belong to the links
+and NCCL, not to the GPU. A GPU's compute rows are its own."""
 MATMUL_HALF_DEFAULT = 1e9
 """Starting / prior value of ``matmul_half_flops`` (the analytic default 0 disables the curve)."""
 PROCEDURE = ("scipy.optimize.least_squares, soft_l1 loss (f_scale 0.2) on log(predicted/measured) of every "
-             "predictable fit-split row of the GPU, log-space coefficients within bounds, prior residual "
-             "log(x/default)/log(4) per coefficient")
+             "predictable fit-split row of the GPU and the collective rows of its interconnect family, log-space "
+             "coefficients within bounds, prior residual log(x/default)/log(4) per coefficient")
 
 
 def _start(name: str, base: CostParams) -> float:
@@ -55,7 +60,9 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
     from scipy.optimize import least_squares
 
     base = base or CostParams()
-    mine = [r for r in fit_rows(list(rows)) if row_gpu(r) == gpu]
+    family = next((f for f in LINK_FAMILIES if gpu in f), (gpu,))
+    mine = [r for r in fit_rows(list(rows))
+            if row_gpu(r) == gpu or (r.category == "collectives" and row_gpu(r) in family)]
     usable = [r for r in mine if predict(r, lambda _: base).predicted is not None]
     if not usable:
         raise SpecError(f"no predictable fit-split row for gpu {gpu!r}: cannot fit a profile")

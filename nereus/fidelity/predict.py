@@ -257,7 +257,7 @@ def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
     cap = row.num("max_response_len")
     if mean is None or cap is None:
         raise Unsupported("mean or max response length not stated")
-    prompt = _int(row, "max_prompt_len", 0) or _int(row, "context_len", 0) or None
+    prompt = _int(row, "mean_prompt_len", 0) or _int(row, "max_prompt_len", 0) or _int(row, "context_len", 0) or None
     if prompt is None:
         raise Unsupported("prompt length not stated")
     mini = _int(row, "ppo_mini_batch", prompts)

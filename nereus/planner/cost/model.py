@@ -342,16 +342,18 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
 def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float, per_forward: float,
               cluster: ClusterSpec, p: CostParams) -> float:
     """Prefill of ``seqs`` prompts of ``prompt_len`` tokens on one replica, ``per_forward`` prompts
-    per forward pass: compute-bound at the per-rank GEMM size's efficiency, plus 2 TP all-reduces
-    per layer and forward."""
+    per forward pass: each forward takes the longer of its compute (at the per-rank GEMM size's
+    efficiency) and reading the rank's weights once (short prompts are memory-bound), plus 2 TP
+    all-reduces per layer."""
     tokens = per_forward * prompt_len
     eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.ffn / tp)
     flops = 2 * model.matmul_params() * prompt_len * seqs
     attn = 2 * model.layers * model.heads * model.head_dim * prompt_len ** 2 * seqs
     forwards = math.ceil(seqs / max(1.0, per_forward))
     peak = tp * pp * cluster.gpu.peak_flops
-    return (flops / (peak * eff) + attn / (peak * p.mfu_attn)
-            + forwards * 2 * model.layers * ar_s(tokens * model.hidden * 2, tp, cluster, p))
+    compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
+    weights = forwards * pp * model.dtype_bytes * params_per_gpu(model, tp, pp) / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
+    return max(compute, weights) + forwards * 2 * model.layers * ar_s(tokens * model.hidden * 2, tp, cluster, p)
 
 
 def decode_iteration_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
