@@ -158,10 +158,10 @@ def paired_placements(job, cluster) -> list[tuple[str, Plan]]:
 
 def candidates(base) -> list[tuple[str, object]]:
     """``base`` (a PlanProblem) restricted to placements OpenRLHF expresses, without pipeline
-    parallelism: everything colocated, every model apart, and the paired pools."""
+    parallelism or Ulysses: everything colocated, every model apart, and the paired pools."""
     from nereus.planner.solver import PlanConstraints
 
-    cs = replace(base.candidates, max_pp=1)
+    cs = replace(base.candidates, max_pp=1, sps=(1,))  # no PP; no Ulysses (OpenRLHF has ring attention)
     out = [("colocate_all", replace(base, constraints=PlanConstraints(placement="colocated"), candidates=cs)),
            ("apart", replace(base, constraints=PlanConstraints(placement="disaggregated"), candidates=cs))]
     out += [(label, replace(base, constraints=PlanConstraints(fixed_placement=skeleton), candidates=cs))

@@ -87,14 +87,16 @@ def gaps(plan: Plan, engine: str) -> list[str]:
 # ---- the closest plan verl can express -------------------------------------------------------
 def candidates(base, engine: str) -> list[tuple[str, object]]:
     """``base`` (a PlanProblem) constrained to what verl with ``engine`` expresses: every model on
-    the whole cluster; Megatron: ZeRO-0/1; FSDP: ZeRO-3 with tp = pp = 1 for actor, ref and critic."""
+    the whole cluster; Megatron: ZeRO-0/1, no Ulysses; FSDP: ZeRO-3 with tp = pp = 1 for actor, ref
+    and critic (Ulysses allowed)."""
     from nereus.planner.solver import PlanConstraints
 
     cs = base.candidates
     if engine == "megatron":
         zeros = tuple(z for z in cs.zeros if z <= 1) or (1,)
-        return [("megatron, all models on every GPU",
-                 replace(base, constraints=PlanConstraints(placement="colocated"), candidates=replace(cs, zeros=zeros)))]
+        return [("megatron, all models on every GPU",  # no Ulysses under Megatron (it splits by context parallelism)
+                 replace(base, constraints=PlanConstraints(placement="colocated"),
+                         candidates=replace(cs, zeros=zeros, sps=(1,))))]
     roles = set(base.job.roles)
     pins = tuple((n, 1, 1) for n in SHARED if n.split("/")[0] in roles)
     return [("fsdp, all models on every GPU",

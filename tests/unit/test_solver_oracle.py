@@ -20,7 +20,7 @@ that description and not from the solver's code:
   any choice of one block per unit is a valid placement;
 * tp in ``tps`` with the TP group inside a node, pp dividing the layers up to ``max_pp``,
   dp = pool / (tp * pp);
-* micro-batches, ZeRO stages and recompute from the problem's ``CandidateSettings``;
+* micro-batches, Ulysses degrees, ZeRO stages and recompute from the problem's ``CandidateSettings``;
 * generation's KV budget: the ``kv_fractions`` of the budget on an empty GPU
   (``usable * kv_mem_util - weights - workspace``); no optimizer offload (the default).
 
@@ -159,10 +159,11 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
             estimate(job, cluster, stages[0], ParallelConfig(tp=tp, pp=pp, dp=dp), w, p)
         except SpecError:  # tp the model does not accept
             continue
-        for mb in cs.micro_batches:
+        heads = job.model(role).heads
+        for mb, sp in ((mb, sp) for mb in cs.micro_batches for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0):
             for zero in zeros:
                 for rc in cs.recompute:
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
                     ests = [estimate(job, cluster, ms, cfg, w, p) for ms in stages]
                     resident = ests[0].resident_bytes  # the home stage holds the model's state
                     transient = max(e.transient_bytes for e in ests)
@@ -198,7 +199,7 @@ class OracleResult:
     mismatches: list
 
 
-ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "recompute", "offload", "kv_fractions"}
+ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "recompute", "sps", "offload", "kv_fractions"}
 """CandidateSettings fields the oracle enumerates (offload only at its default, off)."""
 
 

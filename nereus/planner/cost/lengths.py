@@ -60,6 +60,7 @@ def _fitted(mean: float, p90: float | None, max_len: int) -> tuple[float, float]
     return raw_mu + math.log(scale), sigma
 
 
+@lru_cache(maxsize=65536)
 def survival(x: float, mean: float, p90: float | None, max_len: int) -> float:
     """P(length > x) of the clipped distribution: 0 at and beyond the cap, where the truncated
     responses sit."""
@@ -73,6 +74,7 @@ def survival(x: float, mean: float, p90: float | None, max_len: int) -> float:
     return 1.0 - NormalDist().cdf((math.log(x) - mu) / sigma)
 
 
+@lru_cache(maxsize=16384)
 def expected_max(n: float, mean: float, p90: float | None, max_len: int) -> float:
     """Expected longest of ``n`` sampled responses (order statistics, Blom's plotting position
     F^-1((n - 0.375)/(n + 0.25))), clipped at the cap: the generation of a step ends with it.
@@ -86,6 +88,7 @@ def expected_max(n: float, mean: float, p90: float | None, max_len: int) -> floa
     return float(min(max_len, max(mean, math.exp(mu + sigma * z))))
 
 
+@lru_cache(maxsize=16384)
 def decode_grid(n: float, mean: float, p90: float | None, max_len: int, points: int = 48,
                 total: float | None = None) -> tuple[tuple[float, float], ...]:
     """(decode position x, sequences still running at x) on one replica of ``n`` sequences, from 0
@@ -97,3 +100,12 @@ def decode_grid(n: float, mean: float, p90: float | None, max_len: int, points: 
     qs = [q for q in response_quantiles(mean, p90, max_len, points) if q < x_end]
     xs = sorted(set([0.0] + qs + [x_end]))
     return tuple((x, max(1.0, n * survival(x, mean, p90, max_len)) if x < x_end else 0.0) for x in xs)
+
+
+@lru_cache(maxsize=16384)
+def peak_context_per_seq(n: float, mean: float, p90: float | None, max_len: int, prompt: int,
+                         total: float | None = None) -> float:
+    """Tokens of KV one admitted sequence holds at its expected worst moment, max over decode
+    positions x of P(length > x) * (prompt + x): what continuous batching must reserve per slot."""
+    grid = decode_grid(n, mean, p90, max_len, total=total)
+    return max(max(survival(x, mean, p90, max_len) * (prompt + x) for x, _ in grid), prompt + 1.0)

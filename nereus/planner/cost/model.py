@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Mapping
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost.lengths import decode_grid, expected_max, response_quantiles, survival
+from nereus.planner.cost.lengths import decode_grid, expected_max, peak_context_per_seq, response_quantiles
 from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, p2p_s
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec, ParallelConfig, Workload
 
@@ -170,8 +171,12 @@ def _finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: Co
 def seq_moments(w: Workload) -> tuple[float, float]:
     """(E[s], E[s^2]) of sequence lengths s = prompt + response: attention work grows with s^2,
     so a long tail costs more than its share of tokens."""
-    lengths = response_quantiles(w.response_len_mean, w.response_len_p90, w.response_len_max)
-    s = [w.prompt_len + x for x in lengths]
+    return _moments(w.prompt_len, w.response_len_mean, w.response_len_p90, w.response_len_max)
+
+
+@lru_cache(maxsize=4096)
+def _moments(prompt: int, mean: float, p90: float | None, cap: int) -> tuple[float, float]:
+    s = [prompt + x for x in response_quantiles(mean, p90, cap)]
     return sum(s) / len(s), sum(x * x for x in s) / len(s)
 
 
@@ -309,7 +314,7 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
                                                    f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
     # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x)
     grid = decode_grid(n, mean, p90, cap, total=w.sequences)
-    per_seq_peak = max(max(survival(x, mean, p90, cap) * (P + x) for x, _ in grid), P + 1.0)
+    per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     engine = job.rollout.engine
     t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)

@@ -5,10 +5,11 @@ the simulator's ground truth (with different CostParams). The plan solver has it
 this is the plain composition of the analytic cost model that both sides can afford every step
 (about 0.5 ms per plan and workload, cached by callers).
 
-Step time = sum over phases of the phase makespan (max over pools of the summed durations of the
-pool's model-stages in that phase) + the actor's weight sync from training to generation layout.
-Memory per GPU of a pool = residents of every model homed there + the running stage's transient;
-generation's KV budget is what the inference engine may take after those residents.
+Step time = sum over phases of the phase makespan (max over GPUs of the summed durations of the
+model-stages running on that GPU in that phase) + the actor's weight sync from training to
+generation layout. Memory per GPU = residents of every model homed on that GPU (pools nest: a
+generation pool spans the actor's and the critic's) + the running stage's transient; generation's
+KV budget is what the inference engine may take after those residents.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from nereus.planner.cost.model import estimate, params_per_gpu, weight_sync_s
+from nereus.planner.cost.model import engine_memory_util, estimate, params_per_gpu, weight_sync_s
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import HOME_STAGE, Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
@@ -27,7 +28,7 @@ GiB = 1024**3
 def plan_key(plan: Plan) -> tuple:
     """Everything about a plan that changes its time or memory (layout and knobs)."""
     return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
-                  s.config.zero, s.config.recompute) for s in plan.stages)
+                  s.config.zero, s.config.recompute, s.config.sp, s.config.token_budget) for s in plan.stages)
 
 
 def workload_key(w: Workload) -> tuple:
@@ -47,37 +48,57 @@ class PlanTimes:
     violations: tuple[str, ...] = field(default=())
 
 
+def _segments(plan: Plan) -> list[tuple[int, int]]:
+    """Maximal GPU ranges [a, b) on which every stage's pool either covers all GPUs or none:
+    pools nest (a generation pool over the actor's and the critic's), so sums are taken per
+    segment, i.e. per GPU, never per pool id."""
+    cuts = sorted({g for s in plan.stages for g in (s.first_gpu, s.first_gpu + s.gpus)})
+    return list(zip(cuts, cuts[1:]))
+
+
+def _covers(s, seg: tuple[int, int]) -> bool:
+    return s.first_gpu <= seg[0] and seg[1] <= s.first_gpu + s.gpus
+
+
 def compose_step(job: JobSpec, plan: Plan, stage_s: Mapping[str, float], sync_s: float) -> float:
-    """Sum of phase makespans (max over pools of that pool's summed stage times) + weight sync."""
-    pools = {s.name: s.pool for s in plan.stages}
+    """Sum of phase makespans + weight sync; a phase's makespan is the largest, over GPUs, of the
+    summed times of that phase's stages running on the GPU."""
     total = sync_s
+    segs = _segments(plan)
     for phase in job.phases():
-        per_pool: dict[int, float] = {}
-        for ms in phase:
-            per_pool[pools[ms]] = per_pool.get(pools[ms], 0.0) + stage_s[ms]
-        total += max(per_pool.values())
+        stages = [plan.stage(ms) for ms in phase]
+        total += max((sum(stage_s[s.name] for s in stages if _covers(s, seg)) for seg in segs), default=0.0)
     return total
 
 
 def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, params: CostParams) -> PlanTimes:
-    """Time and memory of every model-stage of ``plan`` on ``w`` under ``params`` (noiseless)."""
+    """Time and memory of every model-stage of ``plan`` on ``w`` under ``params`` (noiseless).
+    Memory is counted per GPU: the residents of every model homed on a GPU (pools nest) plus the
+    running stage's transient."""
     usable = cluster.gpu.usable_bytes
-    resident: dict[int, float] = {}
+    segs = _segments(plan)
+    resident = {seg: 0.0 for seg in segs}
     est = {}
     for s in plan.stages:
         if s.stage != "generation":
             est[s.name] = e = estimate(job, cluster, s.name, s.config, w, params)
             if HOME_STAGE.get(s.role) == s.name:
-                resident[s.pool] = resident.get(s.pool, 0.0) + e.resident_bytes
+                for seg in segs:
+                    if _covers(s, seg):
+                        resident[seg] += e.resident_bytes
+
+    def most_resident(s) -> float:
+        return max((r for seg, r in resident.items() if _covers(s, seg)), default=0.0)
+
     gen = plan.stage("actor/generation")
     gen_fixed = est_fixed_gen_bytes(job, cluster, gen.config, params)
-    budget = usable * params.kv_mem_util - resident.get(gen.pool, 0.0) - gen_fixed
+    budget = usable * engine_memory_util(job, params) - most_resident(gen) - gen_fixed
     est[gen.name] = estimate(job, cluster, gen.name, gen.config, w, params, kv_budget_bytes=budget)
     violations = []
     peak = {}
     for s in plan.stages:
         e = est[s.name]
-        mem = resident.get(s.pool, 0.0) + e.transient_bytes
+        mem = most_resident(s) + e.transient_bytes
         peak[s.name] = mem / GiB
         if mem > usable or not math.isfinite(e.time_s):
             violations.append(f"{s.name} {s.config.label()} needs {mem / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB"

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
-from nereus.planner.cost.model import estimate, offload_s, weight_sync_s
+from nereus.planner.cost.model import engine_memory_util, estimate, offload_s, weight_sync_s
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
 
@@ -56,6 +56,7 @@ class Option:
     def label(self) -> str:
         c = self.config
         extra = f" mb{c.micro_batch}" + (f" z{c.zero}" if c.zero != 1 else "") + (" rc" if c.recompute else "") + \
+            (f" sp{c.sp}" if c.sp > 1 else "") + \
             (" off" if self.offload else "")
         kv = "" if self.kv_budget_bytes is None else f" kv{self.kv_budget_bytes / 1024**3:.1f}G"
         return f"{c.label()}{extra}{kv}"
@@ -161,13 +162,15 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
         dp = size // (tp * pp)
         # a micro-batch larger than a DP rank's share only adds activation memory
         mbs = [mb for mb in cs.micro_batches if mb == min(cs.micro_batches) or mb <= per_rank / dp]
-        for mb in mbs:
+        heads = j.model(unit.stages[0].split("/")[0]).heads
+        sps = [sp for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
+        for mb, sp in ((mb, sp) for mb in mbs for sp in sps):
             for zero in (cs.zeros if trainable else (1,)):
                 for rc in (cs.recompute if trainable else (False,)):
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
                     ests = [estimate(j, c, unit.stages[0], cfg, w, p)]
                     if trainable:  # inference ignores ZeRO and recompute: estimate it once per layout
-                        key = (tp, pp, mb)
+                        key = (tp, pp, mb, sp)
                         if key not in infer_cache:
                             infer_cache[key] = estimate(j, c, unit.stages[1], cfg, w, p)
                         ests.append(infer_cache[key])
@@ -207,7 +210,7 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
     for tp, pp in layouts(problem, unit, size):
         cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp))
         base = estimate(j, c, GEN, cfg, w, p)
-        full = c.gpu.usable_bytes * p.kv_mem_util - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
+        full = c.gpu.usable_bytes * engine_memory_util(j, p) - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
         demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf
         sync = tuple(weight_sync_s(model, ParallelConfig(dp=ts), cfg, c, col, p) for ts, col in sync_keys)
         seen_enough = False

@@ -45,6 +45,9 @@ class CandidateSettings:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     zeros: tuple[int, ...] = (1, 3)
     recompute: tuple[bool, ...] = (False, True)
+    sps: tuple[int, ...] = (1, 2)
+    """Ulysses sequence-parallel degrees of training and inference units (taken from DP ranks; one
+    that does not divide dp, or tp * sp that does not divide the heads, is skipped)."""
     offload: tuple[bool, ...] = (False,)
     """Trainable models may keep their optimizer state in host memory, paying
     ``cost.offload_s`` (out and back once per step); ``(False, True)`` lets the solver choose."""
