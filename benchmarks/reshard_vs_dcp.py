@@ -4,7 +4,8 @@ The same actor state (params + Adam moments, fp32, >= 200 MB) goes from layout A
 three ways in one run:
   1. Nereus: the planner's transition plan applied by the executor (gloo point-to-point, pieces
      moved in place where they are one dense block at both ends, small ones bucketed, a
-     checksum of every message on both ends, commit vote); beside it, interleaved in the same
+     checksum of every piece from its source and again where it landed, local copies included,
+     commit vote); beside it, interleaved in the same
      run: the planner's rounds one by one (no merging), and a diagnostic with the checksums
      replaced by a constant (what verification costs; not a mode the product offers). New
      regions come from the executor's host arena: the first transition of the run faults in new
@@ -163,6 +164,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
     from torch.distributed.device_mesh import init_device_mesh
 
     import nereus.executor.apply as apply_mod
+    import nereus.executor.store as store_mod
     from nereus.executor.apply import apply_transition
     from nereus.executor.layout import rank_regions
     from nereus.executor.scenario import init_store, mismatches
@@ -254,13 +256,14 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                 store.put(r, t.clone())
             box: dict = {}
             # diagnostic only: checksums replaced by a constant, to show what verification costs
-            apply_mod.checksum = (lambda t: 0) if v == "nereus_no_verify" else checksum
+            # (the receiver's in apply, the sender's in store.SourceSums)
+            apply_mod.checksum = store_mod.checksum = (lambda t: 0) if v == "nereus_no_verify" else checksum
             try:
                 times[v].append(_timed(lambda: box.setdefault("r", apply_transition(
                     store, tplan, rank, DistTransport(rank), timeout_s=300,
                     staging_bytes=0 if v == "nereus_rounds" else apply_mod.STAGING_BYTES))))
             finally:
-                apply_mod.checksum = checksum
+                apply_mod.checksum = store_mod.checksum = checksum
             if v == "nereus" and report is None:
                 report = box["r"]
                 bad_nereus = mismatches(store, job, 0)

@@ -3,14 +3,20 @@
 Call order (every rank of the world calls ``apply_transition`` with the same plan):
 1. allocate the rank's new regions from the arena, in storage order (kept regions are reused as
    they are; one is copied only to free a mostly dead arena buffer), build this rank's view of
-   every piece it sends or receives, as it travels (``TransitionPlan.major``), and check the
-   plan fills every new region exactly once, element for element;
+   every piece it sends, receives or copies in the piece's canonical order (row-major after
+   moving the tensor's storage dim first, ``TransitionPlan.major``: a function of the region
+   alone, the same at both ends whatever their memory layout), and check the plan's pieces
+   tile every new region exactly (no overlap, no gap: ``store.cover_error``);
 2. one max-reduce over ranks: the bytes each round stages on the busiest rank, and whether any
    rank failed to prepare (then every rank rolls back before a byte moves);
 3. for each exchange (consecutive planner rounds, merged while staging stays within
    ``staging_bytes``), in (round, op id) order: sends/receives through the transport (small
-   pieces bucketed, dense ones in place), then local copies; every message a rank receives is
-   checked against the checksum its sender computed over the same bytes;
+   pieces bucketed, dense ones in place), then local copies. End to end: the sender hashes each
+   piece it sends from its source region, in canonical order, and posts those hashes behind
+   the data; the receiver hashes the same piece read back from its destination region once the
+   message has been unpacked there, and a local copy is hashed at both ends after it ran. Since
+   the pieces tile every new region exactly, every element of every destination region is
+   compared with its source, after the last step that could misplace or corrupt it;
 4. vote (one ``transport.max_ints``, which also spreads the Adam step counts): commit only if
    every rank verified everything. Commit swaps the
    store's contents at once, so the old shards live until then; any exception, timeout or
@@ -30,7 +36,7 @@ import torch
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.executor.arena import empty_regions, mostly_dead, trim_cache
-from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, contains, narrowed
+from nereus.executor.store import TORCH_DTYPES, ShardStore, SourceSums, checksum, contains, cover_error, narrowed
 from nereus.executor.transport import Transport
 from nereus.planner.transition.types import Region, TransferOp, TransitionPlan
 
@@ -46,7 +52,10 @@ class FaultSpec:
     ``hang``: it stops answering there for ``hang_s``; ``after-receive``: an exception on that
     rank once that exchange's bytes have arrived (the data moved, nothing verified or committed
     yet); ``corrupt``: one bit of the first message that rank receives in that exchange flips
-    before it is checksummed (a byte corrupted in flight: only the receiver can tell);
+    before it is unpacked (a byte corrupted in flight: only the receiver can tell);
+    ``corrupt-copy``: the first element of the first local copy that rank makes in that
+    exchange is off by one after the copy (memory or a copy gone wrong: only the destination's
+    checksum can tell);
     ``slow-vote``: that rank verifies everything, then stalls ``hang_s`` before it votes (a
     straggler; ``round`` is ignored)."""
     hang_s: float = 0.0
@@ -56,7 +65,7 @@ class FaultSpec:
             raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
 
 
-FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "slow-vote")
+FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "corrupt-copy", "slow-vote")
 
 
 class RolledBack(TransitionError):
@@ -111,12 +120,12 @@ class ApplyReport:
 
 
 class _NewLayout:
-    """The rank's destination regions being filled, with an element count per region."""
+    """The rank's destination regions being filled, with the pieces that land in each."""
 
     def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -> None:
         kept = {h.region for h in plan.kept if h.gpu == rank}
         self.tensors: dict[Region, torch.Tensor] = {}
-        self.filled: dict[Region, int] = {}
+        self.filled: dict[Region, list[Region]] = {}
         self.kept = kept
         self.by_key: dict[tuple[str, str, str], list[Region]] = defaultdict(list)
         fresh = []
@@ -128,7 +137,7 @@ class _NewLayout:
                 self.tensors[h.region] = store.get(h.region)
             else:
                 fresh.append(h.region)
-                self.filled[h.region] = 0
+                self.filled[h.region] = []
         # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
         held = sorted(kept)
@@ -140,11 +149,11 @@ class _NewLayout:
 
     def target(self, piece: Region) -> torch.Tensor:
         if piece in self.filled:  # a whole new region (the common case)
-            self.filled[piece] += piece.numel
+            self.filled[piece].append(piece)
             return self.tensors[piece]
         for r in self.by_key.get(piece.key, ()):
             if r not in self.kept and contains(r, piece):
-                self.filled[r] += piece.numel
+                self.filled[r].append(piece)
                 return narrowed(self.tensors[r], r, piece)
         raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
                               "no destination region of this rank")
@@ -154,34 +163,19 @@ class _NewLayout:
                    for r in (*self.filled, *self.relocated))
 
     def check_complete(self, rank: int) -> None:
-        """Every new region is the target of pieces adding up to its size (checked on the plan,
-        before the exchange; that the bytes arrived is what the per-message checksums check)."""
-        for r, n in self.filled.items():
-            if n != r.numel:
-                raise TransitionError(f"rank {rank}: the plan fills {n} of the {r.numel} elements of "
-                                      f"{r.tensor}/{r.kind}")
+        """The plan's pieces tile every new region exactly: no overlap, no gap (checked on the
+        plan, before the exchange; that the right bytes landed is what the piece checksums check)."""
+        for r, pieces in self.filled.items():
+            why = cover_error(r, pieces)
+            if why is not None:
+                raise TransitionError(f"rank {rank}: {why}")
 
-
-class _SourceSums:
-    """Checksums of outgoing messages; a message that is a view of a source region (a large
-    piece sent in place) is checksummed once per transition however many peers it goes to."""
-
-    def __init__(self, store: ShardStore) -> None:
-        self.sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
-        self.memo: dict[tuple, int] = {}
-
-    def made_for_message(self, buf: torch.Tensor) -> bool:
-        """A packed bucket or a contiguous copy, not a view of a source region."""
-        return buf.untyped_storage().data_ptr() not in self.sources
-
-    def __call__(self, buf: torch.Tensor) -> int:
-        if self.made_for_message(buf):
-            return checksum(buf)
-        key = (buf.data_ptr(), buf.numel(), buf.dtype)
-        value = self.memo.get(key)
-        if value is None:
-            value = self.memo[key] = checksum(buf)
-        return value
+    def verify_relocated(self, store: ShardStore, rank: int, major: dict[tuple[str, str], int]) -> None:
+        """A kept region copied to the new arena holds its old bytes (compared in canonical order)."""
+        for r in self.relocated:
+            if checksum(_wire(self.tensors[r], r, major)) != checksum(_wire(store.get(r), r, major)):
+                raise TransitionError(f"rank {rank}: checksum mismatch: {r.tensor}/{r.kind} at {r.offsets}+{r.lengths} "
+                                      "differs after its copy to the new arena")
 
 
 def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int]) -> torch.Tensor:
@@ -193,29 +187,33 @@ def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int])
 
 
 def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Transport, timeout_s: float,
-               counters: dict, sums: _SourceSums, rnd: str, verify_previous=None, corrupt: bool = False):
+               counters: dict, sums: SourceSums, rnd: str, verify_previous=None, corrupt: str = ""):
     """One exchange of prepared items (``_prepare``). Receives are posted first (the transport
     buckets the small pieces; large ones land directly in their destination region), then each
-    outgoing message right after this rank checksummed it; while the bytes move, the local
-    copies and the previous exchange's comparison run. Every incoming message is checksummed as
-    it arrives (bytes still in cache); one small message per peer, posted right after the data,
-    carries the sender's checksums. Returns the comparison of this exchange's received messages
-    with their senders' checksums (run by the next exchange, or after the last)."""
+    outgoing message right after this rank checksummed the pieces it carries, from their source
+    regions; while the bytes move, the local copies run (each hashed at both ends) and the
+    previous exchange's comparison. Every piece that arrives is checksummed where it landed, in
+    its destination region, once its message was unpacked (bytes still in cache); one small
+    message per peer, posted right after the data, carries the sender's checksums. Returns the
+    comparison of this exchange's pieces with their sources' checksums (run by the next
+    exchange, or after the last)."""
     t0 = time.perf_counter()
     incoming = 0
     local: list[tuple] = []
-    for what, peer, view, nbytes in items:
+    landing: dict[int, Region] = {}
+    for what, peer, view, nbytes, region in items:
         if what == "send":
             transport.submit_send(peer, view)
             counters["sent"] += nbytes
         elif what == "recv":
             transport.submit_recv(peer, view)
+            landing[id(view)] = region
             incoming += nbytes
         else:
-            local.append((peer, view, nbytes))
+            local.append((peer, view, nbytes, region))
     sums_out: dict[int, list[int]] = defaultdict(list)
-    posted = transport.start(before_send=lambda peer, buf: sums_out[peer].append(sums(buf)))
-    recvs = [(peer, buf.numel() * buf.element_size()) for peer, buf in posted.recvs] if posted else []
+    posted = transport.start(before_send=lambda peer, buf, parts: sums_out[peer].extend(sums.message(buf, parts)))
+    recv_peers = [peer for peer, _ in posted.recvs] if posted else []
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
         staging += sum(b.numel() * b.element_size() for _, b in posted.sends if sums.made_for_message(b))
@@ -226,24 +224,30 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     for peer, values in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
     sums_in: dict[int, torch.Tensor] = {}
-    for peer, n in sorted(Counter(peer for peer, _ in recvs).items()):
+    for peer, n in sorted(Counter(op[1] for op in items if op[0] == "recv").items()):
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
     posted_sums = transport.start()
-    for source, target, nbytes in local:
+    copies: list[tuple[Region, int, int]] = []
+    for source, target, nbytes, region in local:
         target.copy_(source)
+        if corrupt == "corrupt-copy" and not copies and target.numel():
+            target[(0,) * target.dim()] += 1  # the fault: the first element of the first copy is off
+        copies.append((region, sums(source), checksum(target)))
         counters["copied"] += nbytes
     if verify_previous is not None:
         verify_previous()
     t1 = time.perf_counter()
-    got: list[int] = []
+    got: dict[int, list[tuple[Region, int]]] = defaultdict(list)
 
     def arrived(i: int, buf: torch.Tensor) -> None:
-        if corrupt and i == 0 and buf.numel():
+        if corrupt == "corrupt" and i == 0 and buf.numel():
             buf.view(-1).view(torch.uint8)[0] ^= 1  # the fault: one bit flipped in flight
-        got.append(checksum(buf))
 
-    transport.finish(posted, timeout_s, on_arrival=arrived)
+    def landed(peer: int, parts: list[torch.Tensor]) -> None:
+        got[peer].extend((landing[id(part)], checksum(part)) for part in parts)
+
+    transport.finish(posted, timeout_s, on_arrival=arrived if corrupt == "corrupt" else None, landed=landed)
     del posted  # staging buffers go back to the arena now, not when the next exchange has run
     transport.finish(posted_sums, timeout_s)
     counters["arrived"] += incoming
@@ -252,18 +256,25 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
 
     def verify() -> None:
         t2 = time.perf_counter()
-        seen: dict[int, int] = defaultdict(int)
-        expected = {peer: t.tolist() for peer, t in sums_in.items()}
-        for i, (peer, nbytes) in enumerate(recvs):
-            k = seen[peer]
-            seen[peer] += 1
-            if got[i] != expected[peer][k]:
-                raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}, message {k + 1} of "
-                                      f"{len(sums_in[peer])} from rank {peer} ({nbytes} bytes)")
+        for region, want, have in copies:
+            if have != want:
+                raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}: {_where(region)} differs "
+                                      "from its source after the local copy")
+        for peer in sorted(set(recv_peers)):
+            expected = sums_in[peer].tolist()
+            for k, (region, have) in enumerate(got[peer]):
+                if have != expected[k]:
+                    raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}: {_where(region)}, piece "
+                                          f"{k + 1} of {len(expected)} from rank {peer}, differs from its source "
+                                          f"after it landed")
         counters["received"] += incoming
         counters["verify_s"] += time.perf_counter() - t2
 
     return verify
+
+
+def _where(r: Region) -> str:
+    return f"{r.model}:{r.tensor}/{r.kind} at {r.offsets}+{r.lengths}"
 
 
 def _fault_here(fault: FaultSpec | None, rank: int, lo: int, hi: int, kind: str) -> bool:
@@ -296,10 +307,12 @@ STAGING_BYTES = 256 << 20
 
 def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int, bucket_bytes: int,
              major: dict[tuple[str, str], int]):
-    """This rank's part of the plan: per round, ("send", peer, wire view, bytes), ("recv", peer,
-    wire view, bytes) and ("copy", source view, target view, bytes) items in op-id order, and
-    the bytes per round that go through a staging buffer here (pieces below ``bucket_bytes``,
-    packed per peer, and pieces that are not one dense block in storage order)."""
+    """This rank's part of the plan: per round, ("send", peer, wire view, bytes, piece), ("recv",
+    peer, wire view, bytes, piece) and ("copy", source wire view, target wire view, bytes, piece)
+    items in op-id order, and the bytes per round that go through a staging buffer here (pieces
+    below ``bucket_bytes``, packed per peer, and pieces that are not one dense block in storage
+    order). A wire view is the piece in its canonical order (``_wire``), the order it travels
+    and is checksummed in at both ends."""
     items: dict[int, list[tuple]] = defaultdict(list)
     staged = [0] * plan.rounds
     for op in plan.ops:  # sorted by (round, op id)
@@ -307,13 +320,14 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
             continue
         n = op.region.nbytes
         if op.src_gpu == op.dst_gpu:
-            items[op.round].append(("copy", store.read(op.region), new.target(op.region), n))
+            items[op.round].append(("copy", _wire(store.read(op.region), op.region, major),
+                                    _wire(new.target(op.region), op.region, major), n, op.region))
             continue
         if op.src_gpu == rank:
             what, peer, view = "send", op.dst_gpu, _wire(store.read(op.region), op.region, major)
         else:
             what, peer, view = "recv", op.src_gpu, _wire(new.target(op.region), op.region, major)
-        items[op.round].append((what, peer, view, n))
+        items[op.round].append((what, peer, view, n, op.region))
         if n < bucket_bytes or not view.is_contiguous():
             staged[op.round] += n
     return items, staged
@@ -387,16 +401,18 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
         try:
             groups = round_groups(spread[1:], staging_bytes)
             verify = None
-            sums = _SourceSums(store)
+            sums = SourceSums(store)
             for lo, hi in groups:
                 _inject(fault, rank, lo, hi, "before")
                 verify = _run_round([it for rnd in range(lo, hi + 1) for it in items.get(rnd, ())], store, rank,
                                     transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify,
-                                    corrupt=_fault_here(fault, rank, lo, hi, "corrupt"))
+                                    corrupt=next((k for k in ("corrupt", "corrupt-copy")
+                                                  if _fault_here(fault, rank, lo, hi, k)), ""))
                 counters["exchanges_done"] += 1
                 _inject(fault, rank, lo, hi, "after")
             if verify is not None:
                 verify()
+            new.verify_relocated(store, rank, major)
         except Exception as e:  # noqa: BLE001 - any failure on this rank means roll back, with its reason
             ok, reason = False, _reason(e)
     transport.close()

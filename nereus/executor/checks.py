@@ -19,28 +19,43 @@ from nereus.planner.specs import JobSpec
 from nereus.planner.transition.types import TransitionPlan
 
 
+LOGITS_TOL = 1e-5
+"""fp32: logits in any layout within 1e-5 of the unsharded ones (only the reduction order differs)."""
+BF16_REL_TOL = 2.0 ** -5
+"""bf16: within 2^-5 (8 bf16 rounding steps of 2^-8) times the largest |logit|: a layout changes
+where the bf16 roundings fall (TP partial sums, reductions), not how many."""
+
+
+def logits_tolerance(precision: str, scale: float) -> float:
+    """Largest |logits difference| accepted between layouts at ``precision``; ``scale``: the
+    largest |logit| of the reference."""
+    return LOGITS_TOL if precision == "fp32" else BF16_REL_TOL * max(1.0, scale)
+
+
 def batch(model_vocab: int, rows: int, cols: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, model_vocab, (rows, cols), generator=g)
 
 
-def logits_in(rank: int, world: int, job: JobSpec, plan: Plan, seed: int, ids: torch.Tensor) -> torch.Tensor | None:
+def logits_in(rank: int, world: int, job: JobSpec, plan: Plan, seed: int, ids: torch.Tensor,
+              precision: str = "fp32") -> torch.Tensor | None:
     """Logits of the seeded actor in ``plan`` (no transition)."""
     store = ShardStore()
-    init_store(store, job, plan, rank, seed)
-    eng = Engine(rank, world, job.model("actor"), plan.home("actor"), store)
+    init_store(store, job, plan, rank, seed, precision=precision)
+    eng = Engine(rank, world, job.model("actor"), plan.home("actor"), store, precision=precision)
     return eng.logits(ids)
 
 
 def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan, tplan: TransitionPlan, seed: int,
                  fault: FaultSpec | None = None, timeout_s: float = 20.0,
-                 staging_bytes: int | None = STAGING_BYTES) -> dict:
-    """State in A -> transition to B; bits against the reference, logits B against A.
+                 staging_bytes: int | None = STAGING_BYTES, precision: str = "fp32") -> dict:
+    """State in A -> transition to B; bits against the reference, logits B against A and
+    against the never-resharded reference (``reference_logits``).
     With a fault: the transition must roll back to checksums identical to before."""
     ids = batch(job.model("actor").vocab, 4, 12, seed + 1)
     store = ShardStore()
-    init_store(store, job, plan_a, rank, seed)
-    eng = Engine(rank, world, job.model("actor"), plan_a.home("actor"), store)
+    init_store(store, job, plan_a, rank, seed, precision=precision)
+    eng = Engine(rank, world, job.model("actor"), plan_a.home("actor"), store, precision=precision)
     logits_a = eng.logits(ids)
     before = store.checksums()
     t0 = time.perf_counter()
@@ -53,27 +68,28 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
                 "bytes_received": getattr(e, "bytes_received", 0), "exchanges_done": getattr(e, "exchanges_done", 0)}
     bad = mismatches(store, job, seed)
     logits_b = eng.logits(ids)
-    diff = 0.0
+    diff = scale = 0.0
     if logits_b is not None:  # against A where this rank saw A's logits, and always against the reference
-        ref = reference_logits(job, seed, ids)
-        diff = float((logits_b - ref).abs().max())
+        ref = reference_logits(job, seed, ids, precision)
+        diff, scale = float((logits_b - ref).abs().max()), float(ref.abs().max())
         if logits_a is not None:
             diff = max(diff, float((logits_a - logits_b).abs().max()))
     return {"rank": rank, "rolled_back": False, "seconds": report.seconds, "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received, "messages": report.messages, "mismatches": bad,
-            "regions": len(store), "logits_max_diff": diff, "compared_logits": logits_b is not None}
+            "regions": len(store), "logits_max_diff": diff, "logits_scale": scale,
+            "compared_logits": logits_b is not None}
 
 
 def reshard_chain(rank: int, world: int, job: JobSpec, plans: list[Plan], tplans: list[TransitionPlan],
-                  seed: int) -> list[dict]:
+                  seed: int, precision: str = "fp32") -> list[dict]:
     """Seeded state in ``plans[0]``, then every transition in turn. After each: bits of every
     region against the never-resharded reference, and logits, log-probs and greedy and sampled
     generations against those of ``plans[0]``."""
     model = job.model("actor")
     ids = batch(model.vocab, 4, 12, seed + 1)
     store = ShardStore()
-    init_store(store, job, plans[0], rank, seed)
-    eng = Engine(rank, world, model, plans[0].home("actor"), store)
+    init_store(store, job, plans[0], rank, seed, precision=precision)
+    eng = Engine(rank, world, model, plans[0].home("actor"), store, precision=precision)
 
     def outputs() -> dict:
         return {"logits": eng.logits(ids), "logprobs": eng.logprobs(ids),
@@ -115,7 +131,7 @@ def _train(eng: Engine, phases: list[tuple[Plan, int]], tplans: list[TransitionP
 
 
 def train_run(rank: int, world: int, job: JobSpec, phases: list[tuple[Plan, int]], tplans: list[TransitionPlan],
-              seed: int, rows: int = 8, cols: int = 12, reference: bool = True) -> dict:
+              seed: int, rows: int = 8, cols: int = 12, reference: bool = True, precision: str = "fp32") -> dict:
     """Train ``k_i`` steps in plan i, transitioning between phases with ``tplans[i-1]``; then,
     in the same processes from the same seed, the run that stays in ``phases[0]``'s plan for
     as many steps. Step s trains on a batch seeded by s, so both runs see the same data."""
@@ -124,13 +140,14 @@ def train_run(rank: int, world: int, job: JobSpec, phases: list[tuple[Plan, int]
     runs = [("moved", phases, tplans)] + ([("stayed", [(phases[0][0], total)], [])] if reference else [])
     for name, ph, tps in runs:
         store = ShardStore()
-        init_store(store, job, ph[0][0], rank, seed, random_moments=False)
-        eng = Engine(rank, world, job.model("actor"), ph[0][0].home("actor"), store)
+        init_store(store, job, ph[0][0], rank, seed, random_moments=False, precision=precision)
+        eng = Engine(rank, world, job.model("actor"), ph[0][0].home("actor"), store, precision=precision)
         out[name] = _train(eng, ph, tps, rows, cols)
     return out
 
 
 def reshard_cases(rank: int, world: int, job: JobSpec, cases: list[tuple[Plan, Plan, TransitionPlan]], seed: int,
-                  timeout_s: float = 20.0) -> list[dict]:
+                  timeout_s: float = 20.0, precision: str = "fp32") -> list[dict]:
     """Several (A, B) cases one after the other in the same processes (fresh store each)."""
-    return [reshard_case(rank, world, job, a, b, tp, seed + i, None, timeout_s) for i, (a, b, tp) in enumerate(cases)]
+    return [reshard_case(rank, world, job, a, b, tp, seed + i, None, timeout_s, precision=precision)
+            for i, (a, b, tp) in enumerate(cases)]

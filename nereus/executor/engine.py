@@ -8,8 +8,12 @@ point to point in micro-batches (GPipe order), and results are shared over the p
 pool rank returns the full result.
 
 State lives in the ShardStore: params and Adam moments as the regions of ``layout.rank_regions``,
-the step count in ``store.step``. ``apply_transition`` moves the store to a new placement and
-rebinds the model to it; nothing is rebuilt from disk.
+the step count in ``store.step``. ``precision``: ``fp32`` (params, gradients and moments fp32) or
+``bf16-mixed`` (bf16 params, activations and gradients; an fp32 ``master`` copy and fp32 moments;
+a step reduces the gradients in fp32, updates the master with AdamW and rounds it into the bf16
+param), the kinds the planner's ``emu.kinds_of`` gives either way. Critic and reward models end
+in the value head (``values``; ``train_step`` with ``returns``). ``apply_transition`` moves the
+store to a new placement and rebinds the model to it; nothing is rebuilt from disk.
 """
 from __future__ import annotations
 
@@ -23,11 +27,11 @@ import torch.nn.functional as F
 from nereus.errors import SpecError
 from nereus.executor import model as M
 from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, apply_transition
-from nereus.executor.layout import OPT_KINDS, rank_regions, stored
+from nereus.executor.layout import OPT_KINDS, param_dtype, rank_regions, stored
 from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
 from nereus.executor.parallel import PlacementGroups, all_reduce
-from nereus.executor.store import ShardStore, region_slices
+from nereus.executor.store import TORCH_DTYPES, ShardStore, region_slices
 from nereus.executor.transport import DistTransport, Transport
 from nereus.models.inventory import pp_layer_range, split_range
 from nereus.models.spec import ModelSpec
@@ -37,12 +41,18 @@ from nereus.planner.transition.types import TransitionPlan
 
 class Engine:
     def __init__(self, rank: int, world: int, model: ModelSpec, placement: StagePlacement, store: ShardStore, *,
-                 role: str = "actor", trainable: bool = True, optim: AdamW | None = None) -> None:
+                 role: str = "actor", trainable: bool = True, optim: AdamW | None = None,
+                 precision: str = "fp32") -> None:
         if placement.config.tp > model.kv_heads:
             raise SpecError(f"executor: tp({placement.config.tp}) > kv_heads({model.kv_heads}) of {model.name} "
                             "(replicated KV shards) is not supported by the reference transformer")
         self.rank, self.world, self.model, self.store = rank, world, model, store
         self.role, self.trainable, self.optim = role, trainable, optim or AdamW()
+        self.precision = precision
+        self.dtype = TORCH_DTYPES[param_dtype(precision)]
+        """Dtype of the params, activations and gradients (bf16 under ``bf16-mixed``)."""
+        self.value_model = role in ("critic", "reward")
+        """Ends in the value head (``values``) instead of the LM head."""
         self.meter: MemoryMeter | None = None
         """Optional per-rank memory accounting (KV cache, logits, saved activations)."""
         self._bind(placement)
@@ -57,8 +67,8 @@ class Engine:
     # ---- layout ----------------------------------------------------------------------------
     def _bind(self, placement: StagePlacement) -> None:
         self.placement = placement
-        self.g = PlacementGroups.build(placement, self.rank)
-        self.regions = rank_regions(self.model, placement, self.rank, self.role, self.trainable)
+        self.g = PlacementGroups.build(placement, self.rank, tied=self.model.tie_embeddings and not self.value_model)
+        self.regions = rank_regions(self.model, placement, self.rank, self.role, self.trainable, self.precision)
         self.w: dict[str, torch.Tensor] = {}
         if self.g.coords is None or len(self.store) == 0:
             return
@@ -79,12 +89,9 @@ class Engine:
     def init_state(self, seed: int, random_moments: bool = False) -> None:
         """Fill the store from the seed (layout-independent); moments zero unless ``random_moments``."""
         kinds = ("param",) + (OPT_KINDS if random_moments and self.trainable else ())
-        full = M.init_full(self.model, seed, kinds) if self.in_pool else {}
+        full = M.init_full(self.model, seed, kinds, self.value_model) if self.in_pool else {}
         for r in self.regions:
-            src = full.get((r.tensor, r.kind))
-            t = torch.zeros(r.lengths) if src is None else src[tuple(slice(o, o + n) for o, n in
-                                                                    zip(r.offsets, r.lengths))]
-            self.store.put(r, stored(self.model, r, t.to(self.store.device)))
+            self.store.put(r, stored(self.model, r, M.initial_region(full, r).to(self.store.device)))
         self.store.step[self.role] = 0
         self._bind(self.placement)
 
@@ -103,14 +110,18 @@ class Engine:
             x = M.embed(x, self.w, self.vocab_lo, self.g.tp_group)
         for i in self.layers:
             x = M.block(x, self.w, i, self.model, self.g.tp_group, cache)
-        return M.head(x, self.w, self.g.tp_group) if self.g.last_stage else x
+        if not self.g.last_stage:
+            return x
+        if self.value_model:
+            return M.value_head(x, self.w, self.model.norm_eps)
+        return M.head(x, self.w, self.g.tp_group, self.model.norm_eps)
 
     def _pipe_forward(self, ids: torch.Tensor, cache: M.KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run this stage on one micro-batch: (stage input needing grad or None, stage output)."""
         if self.g.first_stage:
             inp, out = None, self._stage(ids, cache)
         else:
-            inp = torch.empty(ids.shape + (self.model.hidden,), device=self.store.device)
+            inp = torch.empty(ids.shape + (self.model.hidden,), dtype=self.dtype, device=self.store.device)
             dist.recv(inp, self.g.prev_rank)
             inp.requires_grad_(torch.is_grad_enabled())
             out = self._stage(inp, cache)
@@ -128,7 +139,9 @@ class Engine:
     # ---- inference ---------------------------------------------------------------------------
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Logits [B, T, vocab] of the global batch on every pool rank."""
+        """Logits [B, T, vocab] of the global batch on every pool rank (fp32 tensors; bf16 values
+        under ``bf16-mixed``)."""
+        self._need_head("logits", value=False)
         if not self.in_pool:
             return None
         lo, n = self._rows(ids.shape[0])
@@ -137,8 +150,24 @@ class Engine:
                            torch.float32)
 
     @torch.no_grad()
+    def values(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The value head's output [B, T] (fp32) of the global batch on every pool rank (critic, reward)."""
+        self._need_head("values", value=True)
+        if not self.in_pool:
+            return None
+        lo, n = self._rows(ids.shape[0])
+        _, out = self._pipe_forward(ids[lo:lo + n])
+        return self._share(tuple(ids.shape), lo, out if self.g.last_stage else None, torch.float32)
+
+    def _need_head(self, call: str, value: bool) -> None:
+        if value != self.value_model:
+            raise SpecError(f"Engine.{call}: the {self.role} model ends in "
+                            f"{'a value head' if self.value_model else 'the LM head'}")
+
+    @torch.no_grad()
     def logprobs(self, ids: torch.Tensor) -> torch.Tensor | None:
         """log p(ids[:, t+1] | ids[:, :t+1]) as [B, T-1] on every pool rank."""
+        self._need_head("logprobs", value=False)
         if not self.in_pool:
             return None
         lo, n = self._rows(ids.shape[0])
@@ -157,6 +186,7 @@ class Engine:
         at its first token that differs from its target (the environment ends the episode there),
         and a replica stops decoding when all its sequences ended; T is then the longest run of any
         replica (shorter rows are padded with their last token) instead of ``new_tokens``."""
+        self._need_head("generate", value=False)
         if not self.in_pool:
             return None
         B = prompts.shape[0]
@@ -203,13 +233,17 @@ class Engine:
 
     # ---- training ----------------------------------------------------------------------------
     def train_step(self, ids: torch.Tensor, weights: torch.Tensor | None = None,
-                   before_update: Callable[[], bool] | None = None) -> float | None:
+                   before_update: Callable[[], bool] | None = None,
+                   returns: torch.Tensor | None = None) -> float | None:
         """One AdamW step on loss = -sum(weights * logprobs) / (B * (T-1)) over the global batch
-        (weights default to 1: plain next-token cross-entropy; RL passes advantages). Returns the
-        global loss on every pool rank. At pp == 1 micro-batches run forward and backward one at
-        a time (gradient accumulation: one micro-batch of activations alive); at pp > 1 GPipe runs
-        every forward, then every backward. ``before_update`` (collective, called on every pool
-        rank) may veto the optimizer step: gradients are dropped and None is returned."""
+        (weights default to 1: plain next-token cross-entropy; RL passes advantages), or for a
+        value model on loss = sum((values - returns)^2) / (2 * B * T) (``returns`` [B, T]).
+        Returns the global loss on every pool rank. At pp == 1 micro-batches run forward and
+        backward one at a time (gradient accumulation: one micro-batch of activations alive); at
+        pp > 1 GPipe runs every forward, then every backward. ``before_update`` (collective, called
+        on every pool rank) may veto the optimizer step: gradients are dropped and None is returned."""
+        if self.value_model and returns is None:
+            raise SpecError(f"Engine.train_step: the {self.role} model ends in a value head and needs returns [B, T]")
         if not self.in_pool:
             return None
         B, T = ids.shape
@@ -223,8 +257,11 @@ class Engine:
                 self.meter.exclude = {t.untyped_storage().data_ptr() for t in self.w.values()}
             with self.meter.saved_activations() if self.meter is not None else contextlib.nullcontext():
                 inp, out = self._pipe_forward(ids[s:s + m])
-                if self.g.last_stage:
+                if self.g.last_stage and self.value_model:
+                    out = (out.float() - returns[s:s + m]).pow(2).sum() / (2 * B * T)
+                elif self.g.last_stage:
                     out = -(weights[s:s + m] * _token_logprobs(out, ids[s:s + m])).sum() / (B * (T - 1))
+                if self.g.last_stage:
                     loss_sum += float(out.detach())
             kept.append((inp, out))
             if self.g.pp == 1:
@@ -251,26 +288,48 @@ class Engine:
         if self.meter is not None:
             self.meter.release_activations()
 
-    def _optimizer_step(self) -> None:
-        params = [r for r in self.regions if r.kind == "param"]
+    def _reduced_grads(self, params: list) -> list[torch.Tensor]:
+        """Each param region's gradient, summed over the ranks that computed parts of it: over TP
+        for the q/k norms (replicated, applied to local heads), between the two copies of a tied
+        embedding split over pipeline stages, and over DP; in fp32 (bf16 grads upcast first)."""
         grads = [self.w[r.tensor].grad if self.w[r.tensor].grad is not None else torch.zeros(r.lengths)
                  for r in params]
-        if self.g.dp_group is not None and grads:
-            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.g.dp_group)
-            grads = list(torch.split(flat, [g.numel() for g in grads]))
-            grads = [g.view(r.lengths) for g, r in zip(grads, params)]
+        grads = [g.float() for g in grads]
+        groups = [(self.g.dp_group, range(len(params)))]
+        if self.model.qk_norm:
+            groups.append((self.g.tp_group, [i for i, r in enumerate(params)
+                                             if r.tensor.endswith(("attn.q_norm.weight", "attn.k_norm.weight"))]))
+        groups.append((self.g.embed_group, [i for i, r in enumerate(params) if r.tensor == "embed.weight"]))
+        for group, idx in reversed(groups):  # the partial sums first, then DP
+            if group is None or not idx:
+                continue
+            flat = all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), group)
+            for i, g in zip(idx, torch.split(flat, [grads[i].numel() for i in idx])):
+                grads[i] = g.view(params[i].lengths)
+        return grads
+
+    def _optimizer_step(self) -> None:
+        """AdamW on this rank's optimizer share of every param (its ZeRO rows, or all of it):
+        in fp32 on the param itself, or under ``bf16-mixed`` on the fp32 master, then rounded
+        into the bf16 param; under ZeRO the DP ranks then all-gather the updated rows."""
+        params = [r for r in self.regions if r.kind == "param"]
+        grads = self._reduced_grads(params)
         step = self.store.step.get(self.role, 0) + 1
         self.store.step[self.role] = step
         c = self.placement.config
         zero = c.zero >= 1 and c.dp > 1
+        mixed = self.precision == "bf16-mixed"
         with torch.no_grad():
             for r, g in zip(params, grads):
                 p = self.w[r.tensor]
-                found = self.store.find(self.role, r.tensor, "exp_avg")
+                found = self.store.find(self.role, r.tensor, "master" if mixed else "exp_avg")
                 if found is not None:  # None: this DP rank's ZeRO share is empty
                     rows = region_slices(r, found[0])[0]
+                    m = self.store.find(self.role, r.tensor, "exp_avg")[1]
                     v = self.store.find(self.role, r.tensor, "exp_avg_sq")[1]
-                    adamw_update(p[rows], g[rows], found[1], v, step, self.optim)
+                    adamw_update(found[1] if mixed else p[rows], g[rows], m, v, step, self.optim)
+                    if mixed:
+                        p[rows] = found[1]  # the one rounding of the master into the bf16 param
                 if zero:
                     zero_allgather(p, c.dp, self.g.dp_group)
                 p.grad = None

@@ -21,10 +21,26 @@ from nereus.errors import SpecError
 from nereus.models.inventory import storage_dims
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import StagePlacement
-from nereus.planner.transition.emu import dp_sharded, gpu_regions, rank_coords
+from nereus.planner.transition.emu import dp_sharded, gpu_regions, kinds_of, rank_coords
 from nereus.planner.transition.types import Region
 
 OPT_KINDS = ("exp_avg", "exp_avg_sq")
+PRECISIONS = ("fp32", "bf16-mixed")
+"""``fp32``: params and Adam moments in fp32 (the planner's ``mixed_precision=False``);
+``bf16-mixed``: bf16 params (and gradients), an fp32 ``master`` copy and fp32 moments (its default)."""
+
+
+def state_kinds(trainable: bool, precision: str = "fp32") -> tuple[tuple[str, str], ...]:
+    """(kind, dtype) pairs a rank holds per tensor shard: the planner's ``emu.kinds_of`` for a
+    trainable (actor-like) or a frozen (ref-like) model at this precision."""
+    if precision not in PRECISIONS:
+        raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return kinds_of("actor" if trainable else "ref", mixed_precision=precision == "bf16-mixed")
+
+
+def param_dtype(precision: str) -> str:
+    """The dtype params (and the activations computed from them) have at ``precision``."""
+    return state_kinds(False, precision)[0][1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,13 +68,14 @@ def check_executable(placement: StagePlacement) -> None:
 
 
 def rank_regions(model: ModelSpec, placement: StagePlacement, gpu: int, role: str = "actor",
-                 trainable: bool = True, dtype: str = "fp32") -> tuple[Region, ...]:
-    """Every region (params, and Adam moments when trainable) ``gpu`` holds in ``placement``."""
+                 trainable: bool = True, precision: str = "fp32") -> tuple[Region, ...]:
+    """Every region (params, and when trainable the master copy and Adam moments of
+    ``state_kinds``) ``gpu`` holds in ``placement``."""
     check_executable(placement)
+    kinds = state_kinds(trainable, precision)
     co = rank_coords(placement, gpu)
     if co is None:
         return ()
-    kinds = (("param", dtype),) + (tuple((k, dtype) for k in OPT_KINDS) if trainable else ())
     return tuple(gpu_regions(model, role, placement, co[0], co[1], co[2], kinds))
 
 

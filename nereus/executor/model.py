@@ -1,10 +1,15 @@
-"""Reference decoder-only transformer, written over the shard store's tensors.
+"""Decoder-only transformer (Llama, Qwen2, Qwen3), written over the shard store's tensors.
 
-RMSNorm, rotary positions, GQA attention, SwiGLU MLP, untied LM head. Parameter names and shapes
+RMSNorm, rotary positions, GQA attention with optional q/k/v bias (Qwen2) and per-head q/k
+RMSNorm (Qwen3), SwiGLU MLP, LM head untied or tied to the embedding, or a value head (critic).
+Every op follows the Hugging Face definition (``LlamaForCausalLM`` and the Qwen2/Qwen3 classes):
+``F.linear``; RMSNorm computed in fp32 and cast back before the weight; rotary tables computed in
+fp32 from ``ModelSpec.rope_theta`` and cast to the activations' dtype; so the same weights give
+HF's logits (fp32) or its bf16 rounding (bf16 weights run in bf16). Parameter names and shapes
 come from ``nereus.models.inventory``; each function takes this rank's TP shard of the weights
 (``w`` maps inventory name -> local tensor) and the TP group, so the same code runs at TP=1 and
-TP=k (Megatron: q/k/v, gate/up and the LM head column-parallel; o_proj and down_proj
-row-parallel; vocab-parallel embedding).
+TP=k (Megatron: q/k/v with their biases, gate/up and the LM head column-parallel; o_proj and
+down_proj row-parallel; vocab-parallel embedding; q/k norms replicated, applied per local head).
 
 ``init_full`` builds every full tensor from a seed, independently of any layout, which is what
 makes a never-resharded reference rebuildable bit for bit.
@@ -18,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from nereus.executor.parallel import copy_to_tp, gather_from_tp, reduce_from_tp
+from nereus.executor.store import TORCH_DTYPES
 from nereus.models.inventory import TensorInfo, tensor_inventory
 from nereus.models.spec import ModelSpec
+from nereus.planner.transition.types import Region
 
 EPS = 1e-5
 ROPE_BASE = 10000.0
@@ -38,21 +45,36 @@ def init_tensor(t: TensorInfo, index: int, seed: int, kind: str = "param") -> to
     return torch.randn(t.shape, generator=g) * (0.5 / math.sqrt(t.shape[-1]))
 
 
-def init_full(model: ModelSpec, seed: int, kinds: tuple[str, ...] = ("param",)) -> dict[tuple[str, str], torch.Tensor]:
-    """(tensor name, kind) -> full tensor, for every tensor of the inventory."""
-    return {(t.name, k): init_tensor(t, i, seed, k) for i, t in enumerate(tensor_inventory(model)) for k in kinds}
+def init_full(model: ModelSpec, seed: int, kinds: tuple[str, ...] = ("param",),
+              value_head: bool = False) -> dict[tuple[str, str], torch.Tensor]:
+    """(tensor name, kind) -> full tensor, for every tensor of the inventory (with the value head
+    instead of the LM head for a critic)."""
+    inv = tensor_inventory(model, "value" if value_head else "lm")
+    return {(t.name, k): init_tensor(t, i, seed, k) for i, t in enumerate(inv) for k in kinds}
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+def initial_region(full: dict[tuple[str, str], torch.Tensor], r: Region) -> torch.Tensor:
+    """Region ``r``'s step-0 value from ``init_full``'s fp32 tensors: a param in the region's
+    dtype (bf16 under mixed precision: the fp32 value rounded once), a ``master`` copy the fp32
+    param itself, a moment its seeded value, or zeros where ``full`` has no such kind."""
+    src = full.get((r.tensor, "param" if r.kind == "master" else r.kind))
+    t = torch.zeros(r.lengths) if src is None else src[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))]
+    return t.to(TORCH_DTYPES[r.dtype])
 
 
-def rope(x: torch.Tensor, pos0: int) -> torch.Tensor:
-    """Rotary embedding of x [B, T, H, d] at positions pos0 .. pos0+T-1 (half-split convention)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """HF's RMSNorm: normalised in fp32, cast back to x's dtype, then times the weight."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(x: torch.Tensor, pos0: int, theta: float = ROPE_BASE) -> torch.Tensor:
+    """Rotary embedding of x [B, T, H, d] at positions pos0 .. pos0+T-1 (half-split convention,
+    HF's ``rotate_half``); the cos/sin tables are fp32, cast to x's dtype as HF does."""
     d = x.shape[-1]
-    inv = 1.0 / ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     ang = torch.arange(pos0, pos0 + x.shape[1], dtype=torch.float32, device=x.device)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -73,11 +95,12 @@ def attention(x: torch.Tensor, w: dict, layer: int, model: ModelSpec, tp_group, 
     d = model.head_dim
     B, T, _ = x.shape
     xin = copy_to_tp(x, tp_group)
-    q = (xin @ w[p + "q_proj.weight"].t()).view(B, T, -1, d)
-    k = (xin @ w[p + "k_proj.weight"].t()).view(B, T, -1, d)
-    v = (xin @ w[p + "v_proj.weight"].t()).view(B, T, -1, d)
+    q, k, v = (F.linear(xin, w[p + n + "_proj.weight"], w.get(p + n + "_proj.bias")).view(B, T, -1, d)
+               for n in "qkv")
+    if model.qk_norm:  # Qwen3: per-head RMSNorm before the rotary embedding
+        q, k = rms_norm(q, w[p + "q_norm.weight"], model.norm_eps), rms_norm(k, w[p + "k_norm.weight"], model.norm_eps)
     pos0 = cache.length(layer) if cache is not None else 0
-    q, k = rope(q, pos0), rope(k, pos0)
+    q, k = rope(q, pos0, model.rope_theta), rope(k, pos0, model.rope_theta)
     if cache is not None:
         if layer in cache.k:
             k, v = torch.cat([cache.k[layer], k], 1), torch.cat([cache.v[layer], v], 1)
@@ -88,20 +111,20 @@ def attention(x: torch.Tensor, w: dict, layer: int, model: ModelSpec, tp_group, 
     mask = torch.arange(S, device=x.device)[None, :] <= (pos0 + torch.arange(T, device=x.device))[:, None]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     o = o.transpose(1, 2).reshape(B, T, -1)
-    return reduce_from_tp(o @ w[p + "o_proj.weight"].t(), tp_group)
+    return reduce_from_tp(F.linear(o, w[p + "o_proj.weight"]), tp_group)
 
 
 def mlp(x: torch.Tensor, w: dict, layer: int, tp_group) -> torch.Tensor:
     p = f"layers.{layer}.mlp."
     xin = copy_to_tp(x, tp_group)
-    h = F.silu(xin @ w[p + "gate_proj.weight"].t()) * (xin @ w[p + "up_proj.weight"].t())
-    return reduce_from_tp(h @ w[p + "down_proj.weight"].t(), tp_group)
+    h = F.silu(F.linear(xin, w[p + "gate_proj.weight"])) * F.linear(xin, w[p + "up_proj.weight"])
+    return reduce_from_tp(F.linear(h, w[p + "down_proj.weight"]), tp_group)
 
 
 def block(x: torch.Tensor, w: dict, layer: int, model: ModelSpec, tp_group, cache: KVCache | None) -> torch.Tensor:
-    p = f"layers.{layer}."
-    x = x + attention(rms_norm(x, w[p + "attn_norm.weight"]), w, layer, model, tp_group, cache)
-    return x + mlp(rms_norm(x, w[p + "mlp_norm.weight"]), w, layer, tp_group)
+    p, eps = f"layers.{layer}.", model.norm_eps
+    x = x + attention(rms_norm(x, w[p + "attn_norm.weight"], eps), w, layer, model, tp_group, cache)
+    return x + mlp(rms_norm(x, w[p + "mlp_norm.weight"], eps), w, layer, tp_group)
 
 
 def embed(ids: torch.Tensor, w: dict, vocab_lo: int, tp_group) -> torch.Tensor:
@@ -113,7 +136,15 @@ def embed(ids: torch.Tensor, w: dict, vocab_lo: int, tp_group) -> torch.Tensor:
     return reduce_from_tp(out, tp_group)
 
 
-def head(x: torch.Tensor, w: dict, tp_group) -> torch.Tensor:
-    """Final norm and vocab-parallel LM head, logits gathered over TP: [B, T, vocab]."""
-    h = copy_to_tp(rms_norm(x, w["final_norm.weight"]), tp_group)
-    return gather_from_tp(h @ w["lm_head.weight"].t(), tp_group)
+def head(x: torch.Tensor, w: dict, tp_group, eps: float = EPS) -> torch.Tensor:
+    """Final norm and vocab-parallel LM head (``embed.weight`` when the model ties them: the same
+    vocab split), logits gathered over TP: [B, T, vocab]."""
+    h = copy_to_tp(rms_norm(x, w["final_norm.weight"], eps), tp_group)
+    return gather_from_tp(F.linear(h, w["lm_head.weight"] if "lm_head.weight" in w else w["embed.weight"]), tp_group)
+
+
+def value_head(x: torch.Tensor, w: dict, eps: float = EPS) -> torch.Tensor:
+    """Final norm and the critic's value head: one value per token, [B, T]. The head is
+    replicated over TP and every TP rank computes the same values, so no TP communication (HF:
+    ``*ForTokenClassification`` with one label and no bias, ``score.weight``)."""
+    return F.linear(rms_norm(x, w["final_norm.weight"], eps), w["value_head.weight"])[..., 0]

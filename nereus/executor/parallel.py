@@ -6,7 +6,8 @@ column-parallel linear); ``reduce_from_tp`` is an all-reduce forward and the ide
 
 ``new_group`` must be called by every rank of the world in the same order, also by ranks outside
 the pool; ``PlacementGroups`` therefore creates every TP, DP and pool group of the placement on
-every rank, in a fixed order, and caches them by member tuple.
+every rank, in a fixed order (and, for a tied embedding split over pipeline stages, the groups
+of its first- and last-stage copies), and caches them by member tuple.
 """
 from __future__ import annotations
 
@@ -46,11 +47,15 @@ class PlacementGroups:
     pool_group: object
     prev_rank: int | None
     next_rank: int | None
+    embed_group: object = None
+    """This rank's copy of a tied embedding and its twin on the other end of the pipeline (first
+    and last stage, same TP and DP rank); their gradients are summed. None unless tied and pp > 1."""
 
     @classmethod
-    def build(cls, placement: StagePlacement, rank: int) -> "PlacementGroups":
+    def build(cls, placement: StagePlacement, rank: int, tied: bool = False) -> "PlacementGroups":
+        """Collective over the world; ``tied``: the model ties its LM head to the embedding."""
         c, gpu = placement.config, placement.gpu_of
-        mine = {"tp": None, "dp": None}
+        mine = {"tp": None, "dp": None, "embed": None}
         for p in range(c.pp):
             for d in range(c.dp):
                 ranks = tuple(gpu(t, p, d) for t in range(c.tp))
@@ -63,6 +68,13 @@ class PlacementGroups:
                 g = group_of(ranks)
                 if rank in ranks:
                     mine["dp"] = g
+        if tied and c.pp > 1:
+            for d in range(c.dp):
+                for t in range(c.tp):
+                    ranks = (gpu(t, 0, d), gpu(t, c.pp - 1, d))
+                    g = group_of(ranks)
+                    if rank in ranks:
+                        mine["embed"] = g
         pool = group_of(tuple(placement.gpu_ids()))
         co = Coords.of(placement, rank)
         prev_rank = next_rank = None
@@ -71,7 +83,8 @@ class PlacementGroups:
         if co is not None and co.pp_rank < c.pp - 1:
             next_rank = gpu(co.tp_rank, co.pp_rank + 1, co.dp_rank)
         return cls(coords=co, tp=c.tp, pp=c.pp, dp=c.dp, tp_group=mine["tp"], dp_group=mine["dp"],
-                   pool_group=pool if co is not None else None, prev_rank=prev_rank, next_rank=next_rank)
+                   pool_group=pool if co is not None else None, prev_rank=prev_rank, next_rank=next_rank,
+                   embed_group=mine["embed"])
 
     @property
     def first_stage(self) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from nereus.executor import model as M
-from nereus.executor.layout import OPT_KINDS, rank_regions, stored
-from nereus.executor.store import ShardStore
+from nereus.executor.layout import OPT_KINDS, param_dtype, rank_regions, stored
+from nereus.executor.store import TORCH_DTYPES, ShardStore
 from nereus.models.inventory import tensor_inventory
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import Plan, StagePlacement
@@ -57,43 +57,51 @@ def _slice(full: torch.Tensor, r: Region) -> torch.Tensor:
 
 
 def reference(model: ModelSpec, seed: int, r: Region) -> torch.Tensor:
-    """The never-resharded value of region ``r``: rebuilt from the seed, whatever the layout."""
+    """The never-resharded value of region ``r``: rebuilt from the seed, whatever the layout (as
+    ``model.initial_region``: a bf16 param is the fp32 value rounded, a master the fp32 value)."""
     inv = tensor_inventory(model)
     index = next(i for i, t in enumerate(inv) if t.name == r.tensor)
-    return _slice(M.init_tensor(inv[index], index, seed + ROLE_SEED[r.model], r.kind), r)
+    kind = "param" if r.kind == "master" else r.kind
+    return _slice(M.init_tensor(inv[index], index, seed + ROLE_SEED[r.model], kind), r).to(TORCH_DTYPES[r.dtype])
 
 
 def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int, *,
-               random_moments: bool = True, roles: tuple[str, ...] | None = None) -> None:
-    """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed, step 0.
-    Adam moments are random by default so that moving them is checked bit for bit; training
-    runs start them at zero like a fresh optimizer."""
+               random_moments: bool = True, roles: tuple[str, ...] | None = None, precision: str = "fp32") -> None:
+    """Fill ``store`` with this rank's regions of every role under ``plan``, from the seed, step 0,
+    at ``precision`` (``layout.PRECISIONS``). Adam moments are random by default so that moving
+    them is checked bit for bit; training runs start them at zero like a fresh optimizer."""
     for role in roles or job.roles:
         model = job.model(role)
         kinds = ("param",) + (OPT_KINDS if role in TRAINABLE and random_moments else ())
-        regions = rank_regions(model, plan.home(role), rank, role, role in TRAINABLE)
+        regions = rank_regions(model, plan.home(role), rank, role, role in TRAINABLE, precision)
         if not regions:
             continue
         full = M.init_full(model, seed + ROLE_SEED[role], kinds)
         for r in regions:
-            src = full.get((r.tensor, r.kind))
-            store.put(r, stored(model, r, torch.zeros(r.lengths) if src is None else _slice(src, r)))
+            store.put(r, stored(model, r, M.initial_region(full, r)))
         store.step[role] = 0
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes in logical (row-major) order, whatever the memory layouts."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
 def mismatches(store: ShardStore, job: JobSpec, seed: int) -> list[str]:
     """Regions whose bits differ from the never-resharded reference."""
     return [f"{r.model}:{r.tensor}/{r.kind}@{r.offsets}" for r, t in store.items()
-            if not torch.equal(t.reshape(-1).view(torch.int32), reference(job.model(r.model), seed, r).reshape(-1)
-                               .view(torch.int32))]
+            if not same_bits(t, reference(job.model(r.model), seed, r))]
 
 
-def reference_logits(job: JobSpec, seed: int, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of the never-resharded actor on one process: full weights from the seed, no groups."""
+def reference_logits(job: JobSpec, seed: int, ids: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Logits of the never-resharded actor on one process: full weights from the seed (rounded to
+    bf16 under ``bf16-mixed``), no groups; fp32."""
     model = job.model("actor")
-    w = {name: t for (name, _), t in M.init_full(model, seed + ROLE_SEED["actor"]).items()}
+    dtype = TORCH_DTYPES[param_dtype(precision)]
+    w = {name: t.to(dtype) for (name, _), t in M.init_full(model, seed + ROLE_SEED["actor"]).items()}
     with torch.no_grad():
         x = M.embed(ids, w, 0, None)
         for i in range(model.layers):
             x = M.block(x, w, i, model, None, None)
-        return M.head(x, w, None)
+        return M.head(x, w, None, model.norm_eps).float()

@@ -53,6 +53,34 @@ def contains(outer: Region, inner: Region) -> bool:
         for oo, ol, io, il in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
 
 
+def _overlap(a: Region, b: Region) -> bool:
+    return all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths))
+
+
+def cover_error(region: Region, pieces: list[Region]) -> str | None:
+    """Why ``pieces`` (each inside ``region``) do not tile it exactly, or None when they do.
+
+    Exact cover = no two pieces overlap and their sizes add up to the region's: then every
+    element is in exactly one piece. Counting elements alone takes an overlap plus a gap of the
+    same size for a cover. Example: a [4, 8] region as rows [0, 2) and [1, 3): 16 + 16 = 32 =
+    4 x 8 elements, yet row 1 comes twice and row 3 never. Pieces are swept in offset order, so
+    the cost is near-linear when they are cut along dim 0."""
+    order = sorted(pieces, key=lambda r: r.offsets)
+    for i, a in enumerate(order):
+        end0 = a.offsets[0] + a.lengths[0] if a.offsets else 0
+        for b in order[i + 1:]:
+            if b.offsets and b.offsets[0] >= end0:
+                break
+            if _overlap(a, b):
+                return (f"pieces at {a.offsets}+{a.lengths} and {b.offsets}+{b.lengths} overlap in "
+                        f"{region.tensor}/{region.kind} at {region.offsets}+{region.lengths}")
+    filled = sum(p.numel for p in pieces)
+    if filled != region.numel:
+        return (f"the plan fills {filled} of the {region.numel} elements of {region.tensor}/{region.kind} at "
+                f"{region.offsets}+{region.lengths}")
+    return None
+
+
 def _native_xxh3():
     """The system xxhash's ``XXH3_64bits_dispatch`` (it picks AVX2/AVX-512 at run time; the Python
     wheel is built for SSE2 only), or None where libxxhash is not installed or computes another
@@ -100,6 +128,42 @@ def checksum(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(flat.reshape(-1).view(torch.uint8).numpy()) & 0x7FFFFFFFFFFFFFFF
 
 
+class SourceSums:
+    """Checksums of the source pieces of one transition (views of this rank's old regions, in
+    canonical order, see ``apply``); a piece going to several peers is checksummed once."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
+        self.memo: dict[tuple, int] = {}
+
+    def made_for_message(self, buf: torch.Tensor) -> bool:
+        """A packed bucket or a contiguous copy, not a view of a source region."""
+        return buf.untyped_storage().data_ptr() not in self.sources
+
+    def __call__(self, piece: torch.Tensor, dense: torch.Tensor | None = None) -> int:
+        """Checksum of ``piece``; ``dense``: the same elements already packed contiguously (a
+        strided piece's staging copy), hashed instead of copying the piece again."""
+        key = (piece.data_ptr(), tuple(piece.shape), piece.stride(), piece.dtype)
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = checksum(piece if dense is None or piece.is_contiguous() else dense)
+        return value
+
+    def message(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
+        """The checksums of the pieces one outgoing message carries (``buf``: their elements
+        back to back), in order."""
+        out, pos, flat = [], 0, None
+        for part in parts:
+            n = part.numel()
+            if part.is_contiguous():
+                out.append(self(part))
+            else:
+                flat = buf.view(-1) if flat is None else flat
+                out.append(self(part, flat[pos:pos + n]))
+            pos += n
+        return out
+
+
 class ShardStore:
     """Regions held by one rank, keyed by Region (at most one region per (model, tensor, kind))."""
 
@@ -124,6 +188,9 @@ class ShardStore:
         if tuple(tensor.shape) != region.lengths:
             raise TransitionError(f"{region.tensor}/{region.kind}: tensor shape {tuple(tensor.shape)} != region "
                                   f"lengths {region.lengths}")
+        if tensor.dtype != TORCH_DTYPES[region.dtype]:
+            raise TransitionError(f"{region.tensor}/{region.kind}: tensor dtype {tensor.dtype} != the region's "
+                                  f"{region.dtype} ({TORCH_DTYPES[region.dtype]})")
         if region not in self._data:
             self._by_key.setdefault(region.key, []).append(region)
         self._data[region] = tensor

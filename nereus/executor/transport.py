@@ -3,8 +3,9 @@
 Protocol (every rank of the transition, once per round, same order on all ranks):
 ``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``,
 or ``start()`` ... ``finish(pending, timeout_s)`` to do other work while the bytes move; ``start``
-and ``finish`` take hooks that see every outgoing message before it is posted and every incoming
-one as it arrives (the executor checksums there).
+and ``finish`` take hooks that see every outgoing message (and the submitted tensors it carries)
+before it is posted, every incoming one as it arrives, and the submitted tensors an incoming
+message filled once they hold its bytes (the executor checksums the pieces there).
 Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
 travel as one flat message, in submission order, so thousands of small regions are a handful of
 messages. Both sides submit in op-id order, so the buckets line up without any header.
@@ -87,16 +88,19 @@ class Transport(ABC):
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
-        submission order. ``before_send(peer, buf)`` sees every outgoing message before it is
-        posted (the caller's checksum). Streaming transports (gloo) post the receives first, then
-        the sends in groups of ``SEND_GROUP_BYTES``, each right after its hook ran; the others
-        (NCCL) run every hook, then post the exchange as one batch."""
+        submission order. ``before_send(peer, buf, parts)`` sees every outgoing message before it
+        is posted, with the submitted tensors it carries in order (``buf`` holds their elements
+        back to back; a tensor sent in place is ``buf`` itself): the caller's checksums.
+        Streaming transports (gloo) post the receives first, then the sends in groups of
+        ``SEND_GROUP_BYTES``, each right after its hook ran; the others (NCCL) run every hook,
+        then post the exchange as one batch."""
         out, inc = self._messages(self._sends), self._messages(self._recvs)
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
         bufs = iter(_staging([m for _, m in out + inc]))
         sends = [(peer, m if isinstance(m, torch.Tensor) else _pack(m, next(bufs))) for peer, m in out]
         recvs = [(peer, m if isinstance(m, torch.Tensor) else next(bufs)) for peer, m in inc]
         staged = [None if isinstance(m, torch.Tensor) else m for _, m in inc]
+        carried = [[m] if isinstance(m, torch.Tensor) else m for _, m in out]
         if not sends and not recvs:
             return None
         self.messages += len(sends)
@@ -104,8 +108,8 @@ class Transport(ABC):
         t0 = time.perf_counter()
         if not self.streaming:  # one batch (an NCCL group): every checksum first, then post everything
             if before_send is not None:
-                for peer, buf in sends:
-                    before_send(peer, buf)
+                for (peer, buf), parts in zip(sends, carried):
+                    before_send(peer, buf, parts)
                 t0 = time.perf_counter()
             recv_handles, send_handles = self._post_together(sends, recvs)
             self.wire_s += time.perf_counter() - t0
@@ -117,9 +121,9 @@ class Transport(ABC):
         else:  # in groups of >= SEND_GROUP_BYTES: the wire starts early, few posting calls
             group: list[tuple[int, torch.Tensor]] = []
             size = 0
-            for j, (peer, buf) in enumerate(sends):
+            for j, ((peer, buf), parts) in enumerate(zip(sends, carried)):
                 t1 = time.perf_counter()
-                before_send(peer, buf)
+                before_send(peer, buf, parts)
                 t0 += time.perf_counter() - t1
                 group.append((peer, buf))
                 size += buf.numel() * buf.element_size()
@@ -129,21 +133,24 @@ class Transport(ABC):
         self.wire_s += time.perf_counter() - t0
         return Posted(recv_handles, send_handles, sends, recvs, staged)
 
-    def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None) -> None:
+    def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None) -> None:
         """Wait for what ``start`` posted, message by message in order. As each received message
-        completes, ``on_arrival(i, buf)`` runs on it (while its bytes are in cache) and a staged
-        message is scattered into its tensors; then the sends are waited for."""
+        completes, ``on_arrival(i, buf)`` runs on it, a staged message is scattered into its
+        tensors, and ``landed(peer, parts)`` sees the submitted tensors it filled, in order (their
+        bytes still in cache); then the sends are waited for."""
         if pending is None:
             return
         for i, handle in enumerate(pending.recv_handles):
             t0 = time.perf_counter()
             self._wait(handle, timeout_s)
             self.wire_s += time.perf_counter() - t0
-            buf = pending.recvs[i][1]
+            peer, buf = pending.recvs[i]
             if on_arrival is not None:
                 on_arrival(i, buf)
             if pending.staged[i] is not None:
                 _unpack(buf.view(-1), pending.staged[i])
+            if landed is not None:
+                landed(peer, pending.staged[i] or [buf])
         t0 = time.perf_counter()
         self._wait(pending.send_handles, timeout_s)
         self.wire_s += time.perf_counter() - t0

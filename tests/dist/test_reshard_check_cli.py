@@ -21,3 +21,15 @@ def test_reshard_check_bad_world_is_one_line_error(capsys):
     assert main(["reshard-check", "--world", "1", "--cases", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--world" in err and "got 1" in err
+
+
+def test_reshard_check_on_a_hf_architecture_in_mixed_precision(tmp_path, capsys):
+    """Qwen3 (q/k norms) with bf16 params and fp32 master and moments: same JSON and exit code."""
+    out = tmp_path / "rc.json"
+    assert main(["reshard-check", "--world", "2", "--cases", "2", "--seed", "4", "--arch", "qwen3",
+                 "--precision", "bf16-mixed", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"cases", "passed", "failed", "bytes_moved", "seconds"}
+    assert data["cases"] == data["passed"] == 2 and data["failed"] == 0
+    text = capsys.readouterr().out
+    assert "2 passed, 0 failed" in text and "bits ok" in text and "tolerance" in text

@@ -1,0 +1,5 @@
+"""The executor on Hugging Face model definitions (Llama, Qwen2, Qwen3): names, checkpoints, scenarios.
+
+Needs ``safetensors`` to read or write files; never ``transformers`` (``arch.hf_config`` imports it
+when called). See README.md.
+"""
