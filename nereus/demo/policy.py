@@ -1,6 +1,6 @@
 """The demo's controllers: the same online ``Controller`` the simulator uses, fed the run's real
 measured metrics, restricted to what the CPU executor runs (TP 1/2/4 without PP, ZeRO-1, no
-recomputation, every model-stage colocated on all ranks)."""
+recomputation, no sequence parallelism, every model-stage colocated on all ranks)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,7 +13,7 @@ from nereus.planner.solver.problem import CandidateSettings
 
 GiB = 1024**3
 DEMO_CANDIDATES = CandidateSettings(tps=(1, 2, 4), max_pp=1, micro_batches=(1, 2, 4, 8), zeros=(1,),
-                                    recompute=(False,))
+                                    recompute=(False,), sps=(1,))
 COLOCATED = LayoutRule(name="adaptive", placement="colocated")
 
 

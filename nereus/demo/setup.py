@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.params import CostParams
-from nereus.planner.specs import BatchSpec, ClusterSpec, GPUSpec, JobSpec, SequenceSpec
+from nereus.planner.specs import BatchSpec, ClusterSpec, GPUSpec, JobSpec, RolloutSpec, SequenceSpec
 
 MiB = 1024**2
 DEMO_MODEL = ModelSpec(name="demo-4l-128h", layers=4, hidden=128, ffn=384, heads=4, kv_heads=4, vocab=32,
@@ -56,7 +56,8 @@ def cap_at(cfg: DemoConfig, step: int) -> int:
 def demo_job(cfg: DemoConfig) -> JobSpec:
     return JobSpec(algorithm="grpo", models=(("actor", DEMO_MODEL), ("ref", DEMO_MODEL)),
                    batch=BatchSpec(prompts=cfg.prompts, samples_per_prompt=cfg.samples, ppo_epochs=1, mini_batches=1),
-                   sequence=SequenceSpec(prompt_len=4, response_len_mean=4.0, response_len_max=cap_at(cfg, 0)))
+                   sequence=SequenceSpec(prompt_len=4, response_len_mean=4.0, response_len_max=cap_at(cfg, 0), padded=True),
+                   rollout=RolloutSpec(engine="static", sleep=False))  # the reference executor: padded, static batches
 
 
 def demo_cluster(cfg: DemoConfig, flops: float = 2e10, mem_bw: float = 5e9, link_gbps: float = 1.0) -> ClusterSpec:

@@ -362,6 +362,7 @@ def round_groups(staged: list[int], staging_bytes: int | None) -> list[tuple[int
 
 
 @gc_paused()
+@torch.no_grad()  # the store's tensors may be a live model's leaves (requires_grad): copies into them are not autograd ops
 def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transport: Transport, *,
                      timeout_s: float = 60.0, fault: FaultSpec | None = None,
                      staging_bytes: int | None = STAGING_BYTES) -> ApplyReport:

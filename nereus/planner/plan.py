@@ -69,13 +69,15 @@ class StagePlacement:
         c = self.config
         return {"name": self.name, "tp": c.tp, "pp": c.pp, "dp": c.dp, "pool": self.pool, "gpus": self.gpus,
                 "time_s": self.time_s, "mem_gib": self.mem_gib, "first_gpu": self.first_gpu,
-                "micro_batch": c.micro_batch, "zero": c.zero, "recompute": c.recompute}
+                "micro_batch": c.micro_batch, "zero": c.zero, "recompute": c.recompute,
+                **({"sp": c.sp} if c.sp != 1 else {}), **({"token_budget": c.token_budget} if c.token_budget else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StagePlacement":
         try:
             cfg = ParallelConfig(tp=d["tp"], pp=d["pp"], dp=d["dp"], micro_batch=d.get("micro_batch", 1),
-                                 zero=d.get("zero", 1), recompute=bool(d.get("recompute", False)))
+                                 zero=d.get("zero", 1), recompute=bool(d.get("recompute", False)), sp=d.get("sp", 1),
+                                 token_budget=d.get("token_budget", 0))
             return cls(name=d["name"], config=cfg, pool=d["pool"], first_gpu=d.get("first_gpu", 0),
                        gpus=d["gpus"], time_s=float(d.get("time_s", 0.0)), mem_gib=float(d.get("mem_gib", 0.0)))
         except KeyError as e:

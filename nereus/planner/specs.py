@@ -194,8 +194,14 @@ class SequenceSpec:
     response_len_mean: float
     response_len_max: int
     response_len_p90: float | None = None
+    padded: bool = False
+    """Training and log-prob micro-batches are padded to the step's longest sequence (no
+    remove-padding / packing, as in Nereus's reference executor): activations scale with
+    micro_batch x (prompt + longest response) instead of the tokens actually there."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.padded, bool):
+            raise SpecError(f"sequence: padded must be true or false, got {self.padded!r}")
         _positive("sequence", "prompt_len", self.prompt_len)
         _positive("sequence", "response_len_mean", self.response_len_mean, real=True)
         _positive("sequence", "response_len_max", self.response_len_max)
@@ -211,7 +217,10 @@ class SequenceSpec:
                 )
 
 
-ENGINES = ("vllm", "sglang", "tensorrt-llm")
+ENGINES = ("vllm", "sglang", "tensorrt-llm", "static")
+"""Continuous-batching engines, and ``static``: a static-batch generator (Hugging Face ``generate``,
+Nereus's reference executor) in which every sequence keeps its slot and KV until the batch's
+longest response ends."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +228,8 @@ class RolloutSpec:
     """The generation engine, as a job configures it (verl's ``actor_rollout_ref.rollout``)."""
 
     engine: str = "vllm"
-    """vllm | sglang | tensorrt-llm: per-iteration overheads differ (fitted per engine)."""
+    """vllm | sglang | tensorrt-llm (continuous batching; per-iteration overheads fitted per engine)
+    | static (static batching)."""
     gpu_memory_utilization: float | None = None
     """Fraction of GPU memory the engine may take (weights + KV + workspace); None: the profile's
     ``kv_mem_util`` (vLLM's default 0.9)."""
@@ -308,6 +318,8 @@ class JobSpec:
                                "response_len_max": s.response_len_max}
         if s.response_len_p90 is not None:
             seq["response_len_p90"] = s.response_len_p90
+        if s.padded:
+            seq["padded"] = True
         b = self.batch
         return {
             "algorithm": self.algorithm,
@@ -326,7 +338,7 @@ class JobSpec:
         pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
         check_keys("job.batch", d["batch"], {"prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"}, ("prompts",))
         check_keys("job.sequence", d["sequence"],
-                    {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90"},
+                    {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90", "padded"},
                     ("prompt_len", "response_len_mean", "response_len_max"))
         rollout = d.get("rollout") or {}
         check_keys("job.rollout", rollout, {f.name for f in fields(RolloutSpec)})

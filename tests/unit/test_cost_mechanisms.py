@@ -181,3 +181,14 @@ def test_fitting_never_reads_a_held_out_row():
     assert clean == dirty
     held = {r.id for r in ROWS if r.split == "heldout"}
     assert not held & set(rec["rows"])
+
+
+def test_plan_json_round_trips_sequence_parallel_and_token_budget():
+    from nereus.planner.plan import Plan, StagePlacement
+
+    cfg = ParallelConfig(tp=1, dp=4, sp=2, token_budget=4096)
+    plan = Plan(stages=(StagePlacement(name="actor/training", config=cfg, pool=0, first_gpu=0, gpus=4),))
+    back = Plan.from_dict(plan.to_dict())
+    assert back.stages[0].config == cfg
+    plain = Plan(stages=(StagePlacement(name="actor/training", config=ParallelConfig(dp=4), pool=0, first_gpu=0, gpus=4),))
+    assert "sp" not in plain.to_dict()["model_stages"][0]  # old readers see the fields they know

@@ -146,3 +146,19 @@ def test_a_default_mixed_precision_plan_applies_bit_exactly():
         assert master[1].dtype == torch.float32 and master[0].lengths[0] == 256 // 4  # a ZeRO-1 quarter
         assert s.find("actor", "layers.0.mlp.up_proj.weight", "param")[1].dtype == torch.bfloat16
     assert sum(r.bytes_sent + r.bytes_copied for r in results) == tplan.bytes_moved
+
+
+def test_a_store_holding_a_live_models_leaves_transitions_without_autograd_errors():
+    """The demo's store tensors are the engine's weights (leaves that require grad) and callers may
+    apply a transition outside ``torch.no_grad``: copies into them must not be autograd ops (the
+    demo crashed with "a leaf Variable that requires grad is being used in an in-place operation")."""
+    a, b = make_plan(tp=2), make_plan(dp=2, zero=1)
+    tplan = plan_transition(JOB, local_cluster(2), a, b, scheduler="greedy")
+    stores = _stores(a, 2, "bf16-mixed")
+    for s in stores:
+        for _, t in s.items():
+            if t.is_floating_point():
+                t.requires_grad_(True)
+    results = _run(tplan, stores)
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert all(mismatches(s, JOB, seed=0) == [] for s in stores)

@@ -155,7 +155,7 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
     if stage == "training":
         return _training(job, cluster, model_stage, model, cfg, w, p, head)
     if stage == "inference":
-        return _inference(cluster, model_stage, model, cfg, w, p, head)
+        return _inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded)
     return _generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
 
 
@@ -180,14 +180,19 @@ def _moments(prompt: int, mean: float, p90: float | None, cap: int) -> tuple[flo
     return sum(s) / len(s), sum(x * x for x in s) / len(s)
 
 
-def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int) -> tuple[int, float, float]:
+def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool = False) -> tuple[int, float, float]:
     """(micro-batches per data group per optimizer step, mean tokens of a micro-batch, tokens of the
     largest one) for fixed ``micro_batch`` sequences or a ``token_budget`` per GPU (packing; a
-    sequence longer than the budget gets a micro-batch of its own)."""
+    sequence longer than the budget gets a micro-batch of its own). ``padded``: every sequence is
+    padded to the batch's longest (time: the expected longest; memory: the cap, which a padded
+    batch reaches whenever one row does)."""
     groups = cfg.dp // cfg.sp
     seqs = w.sequences / (per_step * groups)
     s_mean = w.prompt_len + w.response_len_mean
     longest = w.prompt_len + expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
+    if padded:  # a padded batch is as wide as its longest row, which may reach the cap any step
+        b = cfg.micro_batch
+        return max(1, math.ceil(seqs / b)), b * longest, b * (w.prompt_len + w.response_len_max)
     if cfg.token_budget:
         budget = cfg.token_budget * cfg.sp
         m = max(1, math.ceil(seqs * s_mean / budget))
@@ -208,7 +213,7 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     n_factor = 8 if cfg.recompute else 6
     attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
     flops = n_factor * model.matmul_params() * w.tokens * E
-    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M)
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded)
     eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
     compute = flops / (cfg.gpus * gpu.peak_flops * eff) + attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
@@ -250,13 +255,13 @@ def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int
 
 
 def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
-               p: CostParams, head: str) -> StageEstimate:
+               p: CostParams, head: str, padded: bool = False) -> StageEstimate:
     tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
     flops = 2 * model.matmul_params() * w.tokens
-    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1)
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded)
     eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / sp * h * model.ffn / tp)
     peak = cfg.gpus * cluster.gpu.peak_flops
     compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
@@ -314,7 +319,13 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
                                                    f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
     # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x)
     grid = decode_grid(n, mean, p90, cap, total=w.sequences)
-    per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
+    static = job.rollout.engine == "static"
+    if static:  # every row holds its slot and KV until the longest of the batch ends (the cap, at worst)
+        x_end = grid[-1][0]
+        per_seq_peak = P + cap
+        grid = ((0.0, float(n)), (x_end, 0.0))
+    else:
+        per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     engine = job.rollout.engine
     t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
@@ -326,7 +337,9 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
         acc["tp_comm"] += steps * comm
         acc["step_overhead"] += steps * p.iteration_overhead_s(engine, active)
 
-    if n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
+    if n > concurrency and static:  # sequential batches, each decoding to its longest
+        run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
+    elif n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
         run((n - concurrency) * mean / concurrency, concurrency, P + mean)
     prev_x, prev_a = grid[0]
     for x, a in grid[1:]:
