@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from nereus.commands.common import GiB, add_job_cluster, console, load_specs, pos_float, pos_int, write_json
 
@@ -17,25 +18,62 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=pos_int, default=1)
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1)
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--sp", type=pos_int, default=1, help="Ulysses sequence parallelism (taken from dp; verl's "
+                                                            "ulysses_sequence_parallel_size)")
+    p.add_argument("--token-budget", type=pos_int, help="tokens per micro-batch per GPU (verl's use_dynamic_bsz + "
+                                                         "ppo_max_token_len_per_gpu) instead of --micro-batch")
+    p.add_argument("--offload", action="store_true", help="optimizer state in host memory (out and back over PCIe "
+                                                           "once per step)")
+    p.add_argument("--gpu-memory-utilization", type=pos_float, help="generation engine's memory fraction (vLLM's "
+                                                                    "gpu_memory_utilization; default 0.9)")
+    p.add_argument("--engine", choices=("vllm", "sglang", "tensorrt-llm", "static"), help="generation engine")
+    p.add_argument("--max-num-seqs", type=pos_int, help="most sequences an engine runs at once (default 256)")
     p.add_argument("--response-len-mean", type=pos_float)
     p.add_argument("--response-len-max", type=pos_int)
     p.add_argument("--json", metavar="OUT", help="write the estimate as JSON")
     return p
 
 
+def with_offload(e, params):
+    """The estimate with its optimizer state in host memory: no longer resident on the GPU, moved
+    out and back once per step (``cost.offload_s``), as the solver's offload option prices it."""
+    from dataclasses import replace as dc_replace
+
+    from nereus.planner.cost.model import offload_s
+
+    opt = e.mem_breakdown.get("optimizer", 0.0)
+    if not opt:
+        return e
+    t = {**e.time_breakdown, "offload": offload_s(opt, params)}
+    mem = {**e.mem_breakdown, "optimizer": 0.0}
+    return dc_replace(e, time_s=sum(t.values()), time_breakdown=t, resident_bytes=e.resident_bytes - opt,
+                      mem_breakdown=mem)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 when the config fits; 2 with a one-line error naming GiB needed vs usable when it
+    does not (the tables and ``--json`` are still written: they show where the memory goes)."""
+    import math
+
     from rich.table import Table
 
+    from nereus.errors import InfeasibleError
     from nereus.planner.cost.model import estimate
     from nereus.planner.specs import ParallelConfig
 
     job, cluster, params = load_specs(args)
+    ro = {k: v for k, v in (("engine", args.engine), ("gpu_memory_utilization", args.gpu_memory_utilization),
+                            ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    if ro:
+        job = replace(job, rollout=replace(job.rollout, **ro))
     w = job.workload()
     if args.response_len_mean or args.response_len_max:
         w = w.with_lengths(mean=args.response_len_mean, max_=args.response_len_max)
     cfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
-                         recompute=args.recompute)
+                         recompute=args.recompute, sp=args.sp, token_budget=args.token_budget or 0)
     e = estimate(job, cluster, args.model_stage, cfg, w, params)
+    if args.offload:
+        e = with_offload(e, params)
     con = console()
     con.print(f"[bold]{args.model_stage}[/] {cfg.label()} (micro-batch {cfg.micro_batch}, ZeRO-{cfg.zero}"
               f"{', recompute' if cfg.recompute else ''}) on {cluster.gpu.name}, "
@@ -59,4 +97,10 @@ def run(args: argparse.Namespace) -> int:
     verdict = "[green]fits[/]" if e.fits else f"[red]does NOT fit[/] ({e.mem_bytes / GiB:.1f} > {e.capacity_bytes / GiB:.1f} GiB)"
     con.print(f"verdict: {verdict}")
     write_json(args.json, e.to_dict())
+    if not e.fits:  # the breakdown above says where the memory goes; the exit code says it does not fit, as plan's does
+        why = f"; {e.notes[0]}" if e.notes and not math.isfinite(e.time_s) else ""
+        raise InfeasibleError(f"{args.model_stage} {cfg.label()} (micro-batch {cfg.micro_batch}, ZeRO-{cfg.zero}) does "
+                              f"not fit: needs {e.mem_bytes / GiB:.1f} GiB per GPU, {e.capacity_bytes / GiB:.1f} GiB "
+                              f"usable{why}", binding=args.model_stage, need_bytes=e.mem_bytes,
+                              have_bytes=e.capacity_bytes)
     return 0

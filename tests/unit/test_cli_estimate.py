@@ -41,3 +41,35 @@ def test_bad_yaml_and_unknown_preset(tmp_path):
     c.write_text("gpu: tpu-v9\nnodes: 2\n")
     r = nereus("estimate", "--job", "examples/ppo-8b.yaml", "--cluster", str(c), "--model-stage", "actor/training")
     assert r.returncode == 2 and "unknown gpu preset 'tpu-v9'" in r.stderr
+
+
+def test_estimate_takes_what_real_jobs_set(tmp_path):
+    """Sequence parallelism, a token budget, optimizer offload, the engine's memory fraction and
+    engine change the estimate the way they change the job."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra, stage="actor/training", dp="8"):
+        out = tmp_path / f"e{len(list(tmp_path.iterdir()))}.json"
+        r = subprocess.run([sys.executable, "-m", "nereus.cli", "estimate", "--job", "examples/ppo-8b.yaml", "--cluster",
+                            "examples/cluster-h100-4n.yaml", "--model-stage", stage, "--dp", dp, "--recompute",
+                            "--json", str(out), *extra], capture_output=True, text=True)
+        assert r.returncode in (0, 2), r.stderr
+        return json.loads(out.read_text())
+
+    base = run()
+    sp = run("--sp", "2")
+    assert sp["mem_breakdown"]["activations"] < base["mem_breakdown"]["activations"]
+    assert sp["time_breakdown"]["sp_comm"] > 0 == base["time_breakdown"]["sp_comm"]
+    off = run("--offload")
+    assert off["mem_breakdown"]["optimizer"] == 0 < base["mem_breakdown"]["optimizer"]
+    assert off["time_breakdown"]["offload"] > 0
+    # packing up to 32,768 tokens holds more than one micro-batch of the longest sequence (the default)
+    budget = run("--token-budget", "32768")
+    assert budget["token_budget"] == 32768 and budget["mem_breakdown"]["activations"] > base["mem_breakdown"]["activations"]
+    gen = run(stage="actor/generation", dp="32")
+    small = run("--gpu-memory-utilization", "0.3", "--max-num-seqs", "8", "--engine", "sglang",
+                stage="actor/generation", dp="32")
+    assert small["mem_breakdown"]["kv_cache"] < gen["mem_breakdown"]["kv_cache"]
+    assert small["time_s"] > gen["time_s"] and small["waves"] > 1  # 8 at a time: the rest wait
