@@ -110,18 +110,20 @@ def check_keys(owner: str, d: Mapping[str, Any], known: set[str] | frozenset[str
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path, what: str = "") -> Iterator[Path]:
-    """A temporary path beside ``path`` (same suffix, for writers that go by it) for the block to
-    write; when the block ends without error, ``os.replace`` moves it onto ``path``, so a reader sees
-    the old file or the whole new one, never half. On an error the temporary file is removed and
-    ``path`` is left as it was; an OSError becomes a one-line SpecError naming ``path``."""
+def atomic_path(path: str | Path, what: str = "", suffix: str | None = None) -> Iterator[Path]:
+    """A temporary path beside ``path`` for the block to write, ending in ``suffix`` (default:
+    ``path``'s, for writers that go by it); when the block ends without error, ``os.replace`` moves
+    it onto ``path``, so a reader sees the old file or the whole new one, never half. On an error the
+    temporary file is removed and ``path`` is left as it was; an OSError becomes a one-line
+    SpecError naming ``path``."""
     p = Path(path)
     label = f"cannot write {what + ' ' if what else ''}{p}"
     if p.is_dir():
         raise SpecError(f"{label}: it is a folder")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name[:60]}.", suffix=f".tmp{p.suffix[:20]}")
+        end = p.suffix[:20] if suffix is None else suffix
+        fd, name = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name[:60]}.", suffix=f".tmp{end}")
         os.close(fd)
         os.unlink(name)  # the writer creates it, with the usual permissions
     except OSError as e:

@@ -46,6 +46,10 @@ job8 = load_job(EX / "ppo-8b.yaml")
 sol, df = plan_table(job8, load_cluster(EX / "cluster-h100-4n.yaml"))
 print(f"{sol.status}: predicted step {sol.objective:.1f} s, solved in {sol.wall_s:.2f} s, gap {sol.gap:.0%}")
 df"""),
+        ("code", """# checks: proven optimal (the objective meets the solver's bound), every model-stage within usable memory
+usable_gib = load_cluster(EX / "cluster-h100-4n.yaml").gpu.usable_bytes / 2**30
+assert sol.status == "OPTIMAL" and abs(sol.objective - sol.bound) <= 1e-6 * sol.objective, (sol.objective, sol.bound)
+assert (df["mem_gib"] <= usable_gib + 1e-9).all() and (df["time_s"] > 0).all()"""),
         ("md", "## What if: GPU type and cluster size (Llama-3.1-8B PPO)"),
         ("code", """rows = []
 for gpu in ("a100-80gb", "h100-80gb", "h200"):
@@ -59,6 +63,11 @@ whatif = pd.DataFrame(rows)
 whatif.pivot(index="gpus", columns="gpu", values="step_s").round(1)"""),
         ("code", """ax = whatif.pivot(index="gpus", columns="gpu", values="samples_per_s").plot(marker="o", logx=True)
 ax.set_ylabel("predicted samples / s"); ax.set_title("8B PPO throughput vs cluster size (model prediction)");"""),
+        ("code", """# checks: every cluster has an optimal plan; more GPUs are never slower, nor is a faster GPU at the same size
+assert (whatif["status"] == "OPTIMAL").all()
+st = whatif.pivot(index="gpus", columns="gpu", values="step_s")
+assert (st.diff().dropna() <= 1e-9 * st.max().max()).all().all(), st
+assert ((st["h200"] <= st["h100-80gb"] * (1 + 1e-9)) & (st["h100-80gb"] <= st["a100-80gb"] * (1 + 1e-9))).all(), st"""),
         ("md", "## Memory breakdown of the chosen plan (per GPU, GiB)"),
         ("code", """from nereus.planner.cost.model import estimate
 parts = []
@@ -68,11 +77,21 @@ for s in sol.plan.stages:
 mem = pd.DataFrame(parts).set_index("model-stage").fillna(0)
 ax = mem.plot.barh(stacked=True, figsize=(8, 4)); ax.set_xlabel("GiB per GPU (standalone)")
 mem.round(2)"""),
+        ("code", """# checks: no negative part; training holds gradients and Adam state, generation a KV cache, inference neither
+assert (mem.values >= 0).all()
+assert (mem.loc[["actor/training", "critic/training"], ["grads", "optimizer"]] > 0).all().all()
+assert mem.loc["actor/generation", "kv_cache"] > 0
+assert (mem.loc[[n for n in mem.index if n.endswith("/inference")], ["grads", "optimizer", "kv_cache"]] == 0).all().all()"""),
         ("md", "## The other examples: 70B PPO on 16 nodes, 7B GRPO on one node"),
-        ("code", """for j, c in (("ppo-70b", "cluster-h100-16n"), ("grpo-7b", "cluster-h100-1n")):
+        ("code", """others = {}
+for j, c in (("ppo-70b", "cluster-h100-16n"), ("grpo-7b", "cluster-h100-1n")):
     s, d = plan_table(load_job(EX / f"{j}.yaml"), load_cluster(EX / f"{c}.yaml"))
+    others[j] = s
     print(f"{j} on {c}: {s.status}, step {s.objective:.1f} s (solve {s.wall_s:.2f} s)")
-    display(d)"""),
+    display(d)
+# checks: both proven optimal; GRPO has no critic or reward model to place
+assert all(s.status == "OPTIMAL" for s in others.values())
+assert {st.name.split("/")[0] for st in others["grpo-7b"].plan.stages} == {"actor", "ref"}"""),
     ],
     "02_plans_vs_response_length.ipynb": [
         ("md", """# Plans vs response length
@@ -97,6 +116,9 @@ for m in means:
             row[st.name] = f"tp{c.tp} pp{c.pp} dp{c.dp} @{st.first_gpu}+{st.gpus}"
     rows.append(row)
 sweep = pd.DataFrame(rows); sweep"""),
+        ("code", """# checks: an optimal plan at every length, and the predicted step time rises with the response length
+assert (sweep["status"] == "OPTIMAL").all()
+assert sweep["step_s"].is_monotonic_increasing and sweep["step_s"].iloc[-1] > 10 * sweep["step_s"].iloc[0], sweep["step_s"]"""),
         ("md", "## Where each fixed layout becomes infeasible\nEvery optimal plan above, held fixed and evaluated by the independent checker at every length."),
         ("code", """grid = []
 for m0, p in plans.items():
@@ -110,6 +132,17 @@ for m0, p in plans.items():
                      "peak GiB": ev.peak_mem_gib})
 g = pd.DataFrame(grid)
 g.pivot(index="response mean", columns="plan chosen at", values="step_s").round(1)"""),
+        ("code", """# checks: the checker agrees with the solver where each plan was chosen, and no fixed plan beats the optimum
+# at any length; the plan for the shortest responses runs out of memory at longer ones; a fixed plan's
+# peak memory never falls as responses grow
+t = g.pivot(index="response mean", columns="plan chosen at", values="step_s")
+pk = g.pivot(index="response mean", columns="plan chosen at", values="peak GiB")
+best = sweep.set_index("mean")["step_s"]
+for m in means:
+    assert abs(t.loc[m, m] - best[m]) <= 1e-6 * best[m], (m, t.loc[m, m], best[m])
+    assert (t.loc[m].dropna() >= best[m] * (1 - 1e-9)).all(), t.loc[m]
+assert t[means[0]].isna().any()
+assert (pk.diff().dropna() >= -1e-9).all().all(), pk"""),
         ("code", """fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 g.pivot(index="response mean", columns="plan chosen at", values="step_s").plot(ax=axes[0], marker="o", logx=True, logy=True)
 axes[0].set_ylabel("predicted step time (s); gaps = out of memory")
@@ -120,10 +153,10 @@ fig.suptitle("fixed plans vs response length (model prediction)");"""),
     "03_transition_cost_vs_savings.ipynb": [
         ("md", """# Transition cost vs savings
 
-For real plan pairs (the optimal plans at neighbouring mean response lengths, under a fixed 32k cap so
-that the older plan still fits), what the transition costs
-(scheduled makespan of the transition graph), what it saves per step, and after how many steps it
-pays for itself; then how the scale-out bandwidth changes that decision. Data: `examples/ppo-8b.yaml`
+For real plan pairs (the optimal plans at neighbouring mean response lengths, under a fixed 32k cap),
+what the transition costs (scheduled makespan of the transition graph), what it saves per step, and
+after how many steps it pays for itself (an older plan that no longer fits in memory forces the
+switch: saving infinite, break-even 0); then how the scale-out bandwidth changes that decision. Data: `examples/ppo-8b.yaml`
 on 4 DGX-H100 nodes; analytic cost model and transition planner (predictions)."""),
         ("code", SETUP + """
 from dataclasses import replace
@@ -146,6 +179,14 @@ for a, b in zip(means, means[1:]):
                  "makespan_s": t.makespan_s, "lower_bound_s": t.lower_bound_s, "old plan fits": old.feasible,
                  "saving_per_step_s": saving, "break_even_steps": t.makespan_s / saving if saving > 0 else float("nan")})
 pairs = pd.DataFrame(rows); pairs.round(3)"""),
+        ("code", """# checks: a transition that moves bytes takes time (makespan >= its lower bound > 0), one between equal
+# layouts none; an older plan that still fits is never faster than the new optimum (saving >= 0), one
+# that does not fit forces the switch (saving infinite, break-even 0)
+moved, fits = pairs["GB moved"] > 0, pairs["old plan fits"]
+assert moved.any() and (pairs.loc[moved, "lower_bound_s"] > 0).all()
+assert (pairs["makespan_s"] >= pairs["lower_bound_s"] * (1 - 1e-9)).all() and (pairs.loc[~moved, "makespan_s"] == 0).all()
+assert (pairs.loc[fits, "saving_per_step_s"] >= -1e-9).all() and (pairs.loc[~fits, "saving_per_step_s"] == float("inf")).all()
+print(f"older plan still fits in {int(fits.sum())} of {len(pairs)} pairs")"""),
         ("md", "## How bandwidth changes the decision\nThe pair with the largest transfer, on clusters whose scale-out bandwidth is 0.5 to 100 GB/s per GPU; a controller with 20 steps left switches only when the break-even is below 20."),
         ("code", """big = pairs.sort_values("GB moved").iloc[-1]
 a, b = int(big["from (mean)"]), int(big["to (mean)"])
@@ -154,16 +195,25 @@ for gbps in (0.5, 2, 5, 12.5, 25, 50, 100):
     c = ClusterSpec.from_dict({"gpu": "h100-80gb", "nodes": 4, "inter_node_gbps": gbps})
     t = plan_transition(job, c, plans[a], plans[b])
     w = workload(b)
-    saving = (evaluate_plan(PlanProblem(job=job, cluster=c, workload=w), plans[a]).step_time_s
-              - evaluate_plan(PlanProblem(job=job, cluster=c, workload=w), plans[b]).step_time_s)
+    old = evaluate_plan(PlanProblem(job=job, cluster=c, workload=w), plans[a])
+    new = evaluate_plan(PlanProblem(job=job, cluster=c, workload=w), plans[b])
+    saving = old.step_time_s - new.step_time_s if old.feasible else float("inf")  # out of memory: a forced switch
     rows.append({"inter_node_GBps": gbps, "makespan_s": t.makespan_s, "lower_bound_s": t.lower_bound_s,
-                 "saving_per_step_s": saving, "break_even_steps": t.makespan_s / saving if saving > 0 else float("nan")})
+                 "old plan fits": old.feasible, "saving_per_step_s": saving,
+                 "break_even_steps": t.makespan_s / saving if saving > 0 else float("nan")})
 bw = pd.DataFrame(rows)
 bw["switch with 20 steps left"] = bw["break_even_steps"] < 20
 print(f"plans optimal at mean {a} -> {b}")
 ax = bw.plot(x="inter_node_GBps", y="break_even_steps", marker="o", logx=True)
 ax.set_ylabel("steps to repay the transition"); ax.set_title("break-even vs scale-out bandwidth (model prediction)")
 bw.round(3)"""),
+        ("code", """# checks: more scale-out bandwidth, a faster transition (makespan and bound fall); where the older plan
+# fits, an earlier break-even; where it does not, a forced switch at any bandwidth
+assert (bw["makespan_s"].diff().dropna() < 0).all() and (bw["lower_bound_s"].diff().dropna() < 0).all()
+assert (bw["makespan_s"] >= bw["lower_bound_s"] * (1 - 1e-9)).all()
+fit = bw[bw["old plan fits"] & (bw["saving_per_step_s"] > 0)]
+assert (fit["break_even_steps"].diff().dropna() < 0).all(), bw
+assert (bw.loc[~bw["old plan fits"], "break_even_steps"] == 0).all() and bw.loc[~bw["old plan fits"], "switch with 20 steps left"].all()"""),
     ],
     "04_calibration.ipynb": [
         ("md", """# Calibration: estimate beside measurement beside ratio
@@ -185,6 +235,14 @@ table.round(4)"""),
     .groupby("part")[["err", "err_uncal"]].mean().rename(columns={"err": "MAPE calibrated", "err_uncal": "MAPE analytic"})
 ax = summary.plot.bar(); ax.set_ylabel("mean |estimate/measured - 1|"); ax.set_yscale("log")
 summary.round(3)"""),
+        ("code", """# checks: each ratio is the estimate over the measurement, finite and positive; the held-out errors are
+# finite, the ones the profile states, and calibration cut them in both parts
+import math
+assert ((table["ratio"] - table["estimate"] / table["measured"]).abs() <= 1e-12 * table["ratio"].abs()).all()
+assert all(math.isfinite(x) and x > 0 for x in [*table["ratio"], *table["ratio_uncalibrated"]])
+assert all(math.isfinite(v) for v in prof.heldout_mape.values())
+assert (summary["MAPE calibrated"] - pd.Series(prof.heldout_mape)).abs().max() < 1e-9, summary
+assert (summary["MAPE calibrated"] < summary["MAPE analytic"]).all(), summary"""),
     ],
 }
 

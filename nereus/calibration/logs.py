@@ -55,8 +55,8 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from nereus.errors import SpecError
-from nereus.jsonio import read_text
+from nereus.errors import NereusError, SpecError
+from nereus.jsonio import MAX_WHOLE, read_text, short_repr
 
 STAGE_KEYS: dict[str, str] = {
     "timing_s/gen": "actor/generation", "timing_s/generate_sequences": "actor/generation",
@@ -74,6 +74,9 @@ VERL_RECORD = re.compile(r"(?:^|(?<=[\s)\]]))step:(\d+) - ")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NUMPY_SCALAR = re.compile(r"^np\.(?:float|int|uint)\d*\((.*)\)$")
 REQUIRED = "response_length/mean"
+MIN_STAGE_S = 1e-6
+"""Shortest stage time taken as a measurement; a positive one below it (3e-282 s) is a corrupt value,
+and fitting a factor to it overflows."""
 
 
 def stage_of_key(key: str) -> str | None:
@@ -103,6 +106,8 @@ class LogTable:
 def _number(v: Any) -> float | None:
     if isinstance(v, bool):
         return None
+    if isinstance(v, int) and abs(v) > 2**1023:
+        return None  # past float range
     if isinstance(v, (int, float)):
         return float(v) if math.isfinite(v) else None
     if isinstance(v, str) and v.strip():
@@ -127,7 +132,13 @@ def _row(record: Mapping[str, Any], where: str, issues: list[str], unknown: set[
             continue
         x = _number(raw)
         if x is None or x < 0:
-            issues.append(f"{where}: {key}={raw!r} is not a non-negative number; value dropped")
+            issues.append(f"{where}: {key}={short_repr(raw)} is not a non-negative number; value dropped")
+            continue
+        if x > MAX_WHOLE:  # no length, step or time is this large; the cost model would overflow on it
+            issues.append(f"{where}: {key}={short_repr(raw)} is above {MAX_WHOLE:.4g}; value dropped")
+            continue
+        if stage and 0 < x < MIN_STAGE_S:
+            issues.append(f"{where}: {key}={short_repr(raw)} s is below {MIN_STAGE_S:g} s; value dropped")
             continue
         out[field] = x
     if "response_len_mean" not in out:
@@ -177,6 +188,10 @@ def _jsonl_records(text: str, issues: list[str]) -> list[tuple[str, Mapping[str,
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             issues.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno}); row skipped")
+            continue
+        except (RecursionError, ValueError) as e:  # nested too deeply; an integer of over 4,300 digits
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
+            issues.append(f"line {n}: not valid JSON ({why}); row skipped")
             continue
         if not isinstance(rec, dict):
             issues.append(f"line {n}: expected a JSON object, got {type(rec).__name__}; row skipped")
@@ -325,7 +340,12 @@ def fit_from_logs(table: LogTable, job: Any, cluster: Any, configs: Mapping[str,
     def predict(v: dict[str, float], pts: list) -> np.ndarray:
         return np.array([p[4] * v.get(f"factor_{p[2]}", 1.0) for p in pts])
 
-    pf = fit_positive(names, [1.0] * len(names), lambda v: predict(v, fit_pts), [p[3] for p in fit_pts])
+    try:
+        pf = fit_positive(names, [1.0] * len(names), lambda v: predict(v, fit_pts), [p[3] for p in fit_pts])
+    except NereusError:
+        raise
+    except (ValueError, ArithmeticError, np.linalg.LinAlgError) as e:  # scipy on values it cannot fit
+        raise SpecError(f"job log {table.source}: the stage times cannot be fitted ({e})") from None
     factors = {n[len("factor_"):]: x for n, x in pf.as_dict().items()}
     fitted = _replace(params or CostParams()).with_stage_factors(**factors)
     before_f = dict((params or CostParams()).stage_factor)

@@ -192,9 +192,10 @@ def curves_to_dict(curves: dict[str, Any]) -> dict[str, Any]:
 
 def _host_memory_gib() -> float:
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal"):
-                return int(line.split()[1]) / 2**20
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    return int(line.split()[1]) / 2**20
     except OSError:
         pass
     return 16.0
@@ -202,9 +203,10 @@ def _host_memory_gib() -> float:
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import check_keys, read_json
+from nereus.jsonio import check_keys, naming, number, read_json, write_atomic
 from nereus.planner.cost.params import CostParams
-from nereus.planner.specs import GPU_PRESETS, ClusterSpec, GPUSpec
+from nereus.planner.specs import GPU_PRESETS, MAX_GPUS, ClusterSpec, GPUSpec
 
 PROFILE_VERSION = 1
 SHIPPED = ("a100-80gb", "h100-80gb", "h200", "h20", "mi300x", "cpu-local")
@@ -68,7 +68,15 @@ class Hardware:
     def from_dict(cls, d: Mapping[str, Any]) -> "Hardware":
         check_keys("profile hardware", d, {f.name for f in fields(cls)})
         kw = dict(d)
-        kw["sources"] = tuple((str(k), str(v)) for k, v in dict(d.get("sources", {})).items())
+        sources = d.get("sources", {})
+        if not isinstance(sources, Mapping):
+            raise SpecError(f"profile hardware: sources must map field -> where from, got {type(sources).__name__}")
+        kw["sources"] = tuple((str(k), str(v)) for k, v in sources.items())
+        for k in ("name", "device", "dtype", "description"):
+            if k in kw and not isinstance(kw[k], str):
+                raise SpecError(f"profile hardware: {k} must be text, got {kw[k]!r}")
+        if "gpus_per_node" in kw:
+            number("profile hardware", "gpus_per_node", kw["gpus_per_node"], whole=True, minimum=1, maximum=MAX_GPUS)
         try:
             hw = cls(**kw)
             hw.gpu_spec()  # validates the numbers
@@ -127,22 +135,20 @@ class Profile:
             raise SpecError(f"profile: missing field(s) {missing}")
         unknown = set(d) - {"version", "name", "hardware", "params", "fit", "how", "when", "where"}
         if unknown:
-            raise SpecError(f"profile: unknown field(s) {sorted(unknown)}")
-        return cls(version=int(d.get("version", PROFILE_VERSION)), name=str(d["name"]),
+            raise SpecError(f"profile: unknown field(s) {sorted(unknown, key=str)}")
+        for k in ("fit", "where"):
+            if not isinstance(d.get(k, {}), Mapping):
+                raise SpecError(f"profile: {k} must be a mapping, got {type(d[k]).__name__}")
+        version = number("profile", "version", d.get("version", PROFILE_VERSION), whole=True)
+        return cls(version=version, name=str(d["name"]),
                    hardware=Hardware.from_dict(d["hardware"]), params=CostParams.from_dict(d["params"]),
                    fit=dict(d.get("fit", {})), how=str(d.get("how", "")), when=str(d.get("when", "")),
                    where=dict(d.get("where", {})))
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(p.name + ".tmp")
-            tmp.write_text(json.dumps(self.to_dict(), indent=2, default=float) + "\n")
-            tmp.replace(p)  # atomic: a reader never sees half a profile
-        except OSError as e:
-            raise SpecError(f"cannot write profile {p}: {e.strerror}") from None
-        return p
+        write_atomic(p, json.dumps(self.to_dict(), indent=2, default=float) + "\n", what="profile")
+        return p  # atomic: a reader never sees half a profile
 
 
 def load_profile(path_or_name: str | Path) -> Profile:
@@ -151,10 +157,11 @@ def load_profile(path_or_name: str | Path) -> Profile:
     if not p.exists() and str(path_or_name) in SHIPPED:
         text = resources.files("nereus.calibration").joinpath(f"profiles/{path_or_name}.json").read_text()
         return Profile.from_dict(json.loads(text))
-    data = read_json(p, "profile", f" (shipped profiles: {', '.join(SHIPPED)})")
-    if not isinstance(data, Mapping):
-        raise SpecError(f"profile {p}: expected a JSON object, got {type(data).__name__}")
-    return Profile.from_dict(data)
+    with naming(p):
+        data = read_json(p, "profile", f" (shipped profiles: {', '.join(SHIPPED)})")
+        if not isinstance(data, Mapping):
+            raise SpecError(f"profile {p}: expected a JSON object, got {type(data).__name__}")
+        return Profile.from_dict(data)
 
 
 def analytic_profile(gpu: str) -> Profile:

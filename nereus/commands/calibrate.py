@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from nereus.calibration.microbench import pick_device, save_tables
+    from pathlib import Path
+
+    from nereus.calibration.microbench import pick_device
     from nereus.calibration.run import calibrate_local, report_markdown
 
     device = pick_device() if args.device == "auto" else args.device
@@ -64,8 +66,9 @@ def _run_local(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     _print_profile(prof)
-    if args.csv_dir:
-        save_tables({**detail["tables"], "stages": detail["stages"]}, args.csv_dir)
+    if args.csv_dir:  # one CSV per table, each written atomically
+        for name, df in {**detail["tables"], "stages": detail["stages"]}.items():
+            _write_text(str(Path(args.csv_dir) / f"{name}.csv"), df.to_csv(index=False))
     if args.report:
         _write_text(args.report, report_markdown(prof))
     if args.out:
@@ -162,13 +165,6 @@ def _print_profile(prof) -> None:
 
 
 def _write_text(path: str, text: str) -> None:
-    from pathlib import Path
+    from nereus.jsonio import write_atomic
 
-    from nereus.errors import SpecError
-
-    p = Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    except OSError as e:
-        raise SpecError(f"cannot write {p}: {e.strerror}") from None
+    write_atomic(path, text)  # a reader never sees half a report

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import SpecError
+from nereus.jsonio import atomic_path, write_atomic
 
 GiB = 1024**3
 
@@ -46,17 +47,28 @@ def load_params(profile: str | None):
 
 
 def write_json(path: str | None, data: Any) -> None:
+    """``data`` as JSON at ``path`` (nothing when no path), atomically: no half-written output."""
     if not path:
         return
-    p = Path(path)
-    try:
-        if p.parent and not p.parent.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, default=float) + "\n")
-        tmp.replace(p)  # atomic: no half-written output
-    except OSError as e:
-        raise SpecError(f"cannot write {p}: {e.strerror}") from None
+    write_atomic(path, json.dumps(data, indent=2, default=float) + "\n")
+
+
+def figure_format(path: str) -> str:
+    """The figure format ``path``'s suffix names (``png`` without one); a SpecError for one
+    matplotlib does not write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix[1:].lower() or "png"
+    if fmt not in FigureCanvasBase.get_supported_filetypes():
+        raise SpecError(f"cannot write {path}: no figure format .{fmt} (use .png, .pdf or .svg)")
+    return fmt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> None:
+    """A matplotlib figure at ``path``, atomically, in the format its suffix names."""
+    fmt = figure_format(path)
+    with atomic_path(path, suffix=f".{fmt}") as tmp:
+        fig.savefig(tmp, dpi=dpi, format=fmt)
 
 
 def nonneg_int(text: str) -> int:

@@ -53,5 +53,10 @@ def run(args: argparse.Namespace) -> int:
         con.print(f"{skipped} rows not predicted (see --rows for why: MoE models, serving runs, unstated lengths, ...)")
     write_json(args.json, to_json(preds, source))
     if args.plot:
-        con.print(f"wrote {scatter(preds, args.plot)}")
+        from nereus.commands.common import figure_format
+        from nereus.jsonio import atomic_path
+
+        with atomic_path(args.plot, suffix=f".{figure_format(args.plot)}") as tmp:  # whole, or not at all
+            scatter(preds, tmp)
+        con.print(f"wrote {args.plot}")
     return 0

@@ -6,7 +6,8 @@ import argparse
 import math
 import sys
 
-from nereus.commands.common import GiB, add_job_cluster, console, load_specs, pos_float, pos_int, write_json
+from nereus.commands.common import (GiB, add_job_cluster, console, load_specs, pos_float, pos_int, save_figure,
+                                    write_json)
 from nereus.errors import InfeasibleError, SpecError
 from nereus.frameworks import FRAMEWORKS, VERL_ENGINES
 
@@ -258,8 +259,6 @@ def plot_sweep(key: str, values, sols, out: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=120)
-    except OSError as e:
-        raise SpecError(f"cannot write {out}: {e.strerror}") from None
+        save_figure(fig, out)
     finally:
         plt.close(fig)

@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
-from nereus.commands.common import add_job_cluster, console, load_specs, pos_float, pos_int, write_json
+from nereus.commands.common import (add_job_cluster, console, load_specs, pos_float, pos_int, save_figure,
+                                    write_json)
+from nereus.jsonio import atomic_path
 
-CHOICES = ("static", "adaptive", "always", "oracle", "verl", "openrlhf", "all")
+CHOICES = ("static-naive", "static", "hindsight", "adaptive", "always", "oracle", "verl", "openrlhf", "all")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a trace through policies (SIMULATED ground truth)",
                        description="Replay a workload trace (CSV: step,response_len_mean,response_len_max,gpus[,"
-                                   "response_len_p90,prompt_len_mean]) through plan policies. Times come from a "
-                                   "simulated ground truth that differs from the planner's cost model.")
+                                   "response_len_p90,prompt_len_mean,response_len_cap]) or a job's own log (verl "
+                                   "console lines, JSONL or CSV) through plan policies. Times come from a SIMULATED "
+                                   "ground truth (request-level engines, micro-batch pipelines, published "
+                                   "measurements) that shares no code with the planner's cost model.")
     add_job_cluster(p)
-    p.add_argument("--trace", required=True, help="trace CSV, or a shipped trace: r1zero_linear, deepscaler_staged, "
-                                                  "ramp_1024")
+    p.add_argument("--trace", required=True, help="trace CSV, a shipped trace (r1zero_linear, deepscaler_staged, "
+                                                  "ramp_1024, ramp_1024_noisy), or a job log to replay")
+    p.add_argument("--response-len-cap", type=pos_int, help="the trainer's response cap when --trace is a job log "
+                                                            "(default: the job's sequence.response_len_max)")
+    p.add_argument("--gpus", type=pos_int, help="GPUs of the logged run when --trace is a job log (default: the "
+                                                "cluster's)")
     p.add_argument("--policy", choices=CHOICES, default="all")
     p.add_argument("--steps", type=pos_int, help="only the first N steps of the trace")
     p.add_argument("--horizon", type=pos_int, default=200, help="steps a switch is amortised over (default 200)")
@@ -34,35 +43,45 @@ def run(args: argparse.Namespace) -> int:
 
     from nereus.simulator.policies import POLICIES
     from nereus.simulator.simulate import simulate
-    from nereus.simulator.trace import load_trace
+    from nereus.simulator.trace import SHIPPED, load_trace, looks_like_trace_csv, trace_from_log
 
     job, cluster, params = load_specs(args)
-    trace = load_trace(args.trace)
+    if args.trace in SHIPPED or looks_like_trace_csv(args.trace):
+        trace = load_trace(args.trace)
+    else:
+        trace = trace_from_log(args.trace, cap=args.response_len_cap or job.sequence.response_len_max,
+                               gpus=args.gpus or cluster.num_gpus)
     if args.steps:
         trace = trace.head(args.steps)
     policies = POLICIES if args.policy == "all" else (args.policy,)
-    results = simulate(job, cluster, trace, policies, params=params, horizon=args.horizon, margin=args.margin,
-                       seed=args.seed, time_limit_s=args.time_limit, audit_path=args.audit, progress=True)
+    with atomic_path(args.audit) if args.audit else contextlib.nullcontext() as audit:  # whole, or not at all
+        results = simulate(job, cluster, trace, policies, params=params, horizon=args.horizon, margin=args.margin,
+                           seed=args.seed, time_limit_s=args.time_limit, audit_path=audit and str(audit),
+                           progress=True)
     summary = {name: r.to_dict() for name, r in results.items()}
     con = console()
     con.print(f"[bold]SIMULATED[/] trace {trace.name} ({len(trace)} steps, up to {trace.max_gpus} GPUs), "
-              f"{cluster.gpu.name}; ground truth = cost model with other efficiencies + noise (seed {args.seed})")
+              f"{cluster.gpu.name}; ground truth = request-level engines and micro-batch pipelines built from "
+              f"published measurements, sampled lengths (seed {args.seed})")
     t = Table()
     t.add_column("policy", no_wrap=True, min_width=8)
-    for name in ("mean step s", "total h", "switches", "switch s", "switch %", "infeasible", "vs static"):
+    for name in ("mean step s", "total h", "switches", "switch s", "switch %", "OOM", "restart s", "dropped",
+                 "vs static"):
         t.add_column(name, justify="right")
     ref = summary.get("static", {}).get("mean_step_s")
     for name, d in summary.items():
         rel = f"{1 - d['mean_step_s'] / ref:+.1%}" if ref else "-"
         t.add_row(name, f"{d['mean_step_s']:.2f}", f"{d['total_s'] / 3600:.2f}", str(d["transitions"]),
-                  f"{d['transition_s']:.1f}", f"{d['transition_overhead']:.3%}", str(d["infeasible_steps"]), rel)
+                  f"{d['transition_s']:.1f}", f"{d['transition_overhead']:.3%}", str(d["ooms"]),
+                  f"{d['restart_s']:.0f}", str(d["dropped_steps"]), rel)
     con.print(t)
-    con.print("switches: transitions that moved data (switch s: their total blocking time; switch %: share of run "
-              "time). vs static: reduction of mean step latency (positive = faster). Infeasible steps are charged "
-              "the fastest candidate's time (a lower bound).")
-    write_json(args.json, {name: {k: d[k] for k in ("steps", "mean_step_s", "total_s", "transition_s",
+    con.print("SIMULATED. mean step s: wall time per completed step, transitions and restarts included. switches: "
+              "live transitions (switch s: their blocking time; switch %: share of run time). OOM: steps that ran "
+              "out of memory (a crash: the work until then and a restart are lost, the step is retried). vs static: "
+              "reduction of mean step latency (positive = faster).")
+    write_json(args.json, {name: {k: d[k] for k in ("label", "steps", "mean_step_s", "total_s", "transition_s",
                                                     "transition_overhead", "transitions", "infeasible_steps")}
-                           | {"diagnostics": {k: v for k, v in d.items() if k not in ("steps",)}}
+                           | {"diagnostics": {k: v for k, v in d.items() if k not in ("steps", "label")}}
                            for name, d in summary.items()})
     if args.csv:
         _write_csv(args.csv, trace, results)
@@ -78,14 +97,16 @@ def _write_csv(path: str, trace, results) -> None:
 
     names = list(results)
     try:
-        with open(path, "w", newline="") as f:
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["step", "response_len_mean", "gpus"] + [f"{n}_step_s" for n in names]
-                       + [f"{n}_transition_s" for n in names] + [f"{n}_infeasible" for n in names])
+                       + [f"{n}_transition_s" for n in names] + [f"{n}_restart_s" for n in names]
+                       + [f"{n}_ooms" for n in names] + [f"{n}_dropped" for n in names])
             for i, row in enumerate(trace.rows):
-                w.writerow([row.step, row.response_len_mean, row.gpus] + [f"{results[n].step_s[i]:.4f}" for n in names]
-                           + [f"{results[n].transition_s[i]:.4f}" for n in names]
-                           + [int(results[n].infeasible[i]) for n in names])
+                r = [results[n] for n in names]
+                w.writerow([row.step, row.response_len_mean, row.gpus] + [f"{x.step_s[i]:.4f}" for x in r]
+                           + [f"{x.transition_s[i]:.4f}" for x in r] + [f"{x.restart_s[i]:.4f}" for x in r]
+                           + [x.ooms[i] for x in r] + [int(x.dropped[i]) for x in r])
     except OSError as e:
         raise SpecError(f"cannot write {path}: {e.strerror}") from None
 
@@ -108,7 +129,9 @@ def _plot(path: str, trace, results) -> None:
     ax2.plot(steps, [r.response_len_mean for r in trace.rows], "k--", lw=0.8, alpha=0.5, label="response length")
     ax2.set_ylabel("mean response length (tokens)")
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"SIMULATED: {trace.name} (triangles = transitions)")
+    ax.set_title(f"SIMULATED: {trace.name} (triangles = transitions; gaps = dropped steps)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)

@@ -5,6 +5,11 @@ import argparse
 
 from nereus.commands.common import GiB, add_job_cluster, console, pos_float, write_json
 
+MAX_GPUS = 1024
+"""Largest plan this command plans a transition for. Measured on 2 cores (ppo-8b, 2k -> 8k or 32k
+responses): 1,024 GPUs in 1.5 s; 2,048 GPUs in 2 minutes (4,937,536 ops, 5,608 rounds); 4,096 GPUs
+past 5 minutes. Refused in one line rather than left to run for minutes."""
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("transition", help="plan the transition between two plans (bytes, ops, makespan, memory)",
@@ -28,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from nereus.planner.transition.build import build_transition, describe
 
     job, cluster = load_job(args.job), load_cluster(args.cluster)
-    a, b = Plan.load(args.plan_from), Plan.load(args.plan_to)
+    a, b = (_load_plan(Plan, path, job, cluster, args.cluster) for path in (args.plan_from, args.plan_to))
     con = console()
     with con.status("planning transition..."):
         res = build_transition(job, cluster, a, b, scheduler=args.scheduler, time_limit_s=args.time_limit,
@@ -62,12 +67,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_plan(plan_cls, path: str, job, cluster, cluster_path: str):
+    """Plan.load, then the checks that tie the plan to this job and cluster, each a one-line error
+    naming the plan file (the transition planner's own errors name neither file)."""
+    from nereus.errors import SpecError
+    from nereus.jsonio import naming
+
+    from nereus.planner.plan import HOME_STAGE
+
+    plan = plan_cls.load(path)
+    with naming(path):
+        have = [s.name for s in plan]
+        missing = [HOME_STAGE[r] for r in job.roles if HOME_STAGE[r] not in have]  # where each model's state lives
+        if missing:
+            raise SpecError(f"plan has no model-stage {missing} of the job; it has {have}")
+        if plan.num_gpus > cluster.num_gpus:
+            last = max(plan, key=lambda s: s.first_gpu + s.gpus)
+            raise SpecError(f"{last.name} uses GPUs up to {last.first_gpu + last.gpus - 1} but the cluster "
+                            f"{cluster_path} has {cluster.num_gpus}")
+        if plan.num_gpus > MAX_GPUS:
+            raise SpecError(f"the plan spans {plan.num_gpus} GPUs; transitions are planned for at most {MAX_GPUS} "
+                            f"(past that this planner takes minutes)")
+    return plan
+
+
 def _write_graph(g, path: str) -> None:
     import networkx as nx
 
-    from nereus.errors import SpecError
+    from nereus.jsonio import atomic_path
 
-    try:
-        nx.write_graphml(g, path)
-    except OSError as e:
-        raise SpecError(f"cannot write {path}: {e.strerror}") from None
+    with atomic_path(path) as tmp:  # a reader never sees half a graph
+        nx.write_graphml(g, tmp)

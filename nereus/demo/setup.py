@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import BatchSpec, ClusterSpec, GPUSpec, JobSpec, RolloutSpec, SequenceSpec
+
+if TYPE_CHECKING:  # the executor (torch) only where a run is spawned
+    from nereus.executor.apply import FaultSpec
 
 MiB = 1024**2
 DEMO_MODEL = ModelSpec(name="demo-4l-128h", layers=4, hidden=128, ffn=384, heads=4, kv_heads=4, vocab=32,
@@ -42,6 +46,9 @@ class DemoConfig:
     """Supervised warm-up steps before RL (a short SFT, so the policy starts partly right)."""
     out_dir: str = "out/demo"
     timeout_s: float = 600.0
+    fault: FaultSpec | None = None
+    """A failure injected into every layout transition (tests): each must roll back, its record say
+    ``verified: False``, and the run go on in the old layout."""
 
 
 def cap_at(cfg: DemoConfig, step: int) -> int:

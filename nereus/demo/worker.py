@@ -22,7 +22,8 @@ import torch.distributed as dist
 from nereus.demo.grpo import group_advantages
 from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
-from nereus.executor.apply import apply_transition
+from nereus.errors import TransitionError
+from nereus.executor.apply import RolledBack, apply_transition
 from nereus.executor.engine import Engine
 from nereus.executor.layout import stored
 from nereus.executor.memory import MemoryMeter
@@ -55,6 +56,12 @@ def _max(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
+
+
+def _sum(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t[0])
 
 
 def _bcast(obj):
@@ -204,13 +211,29 @@ class _Run:
             return rec
         if tplan is not None:
             t0 = time.perf_counter()
-            report = apply_transition(self.store, tplan, self.rank, DistTransport(self.rank), timeout_s=60.0)
+            report, failure = None, ""
+            try:
+                report = apply_transition(self.store, tplan, self.rank, DistTransport(self.rank), timeout_s=60.0,
+                                          fault=self.cfg.fault)
+            except RolledBack as e:
+                failure = str(e)
             rec["transition_s"] = _max(time.perf_counter() - t0)
             rec["transition_bytes"] = int(tplan.bytes_moved)
-            rec["regions_verified"] = int(_max(report.regions_verified))
+            committed = _sum(int(report is not None))
+            if 0 < committed < self.world:
+                raise TransitionError(f"{committed} of {self.world} ranks committed the transition, the others "
+                                      f"rolled back: the layouts disagree ({failure or 'this rank committed'})")
+            # verified: every rank committed (each only after every rank's checksums matched), and
+            # between them they verified every region the plan creates (the kept ones stay as they are)
+            rec["regions_verified"] = _sum(report.regions_verified if report is not None else 0)
+            rec["verified"] = bool(committed) and rec["regions_verified"] == len(set(tplan.dst) - set(tplan.kept))
+            if not committed:  # every rank rolled back: its old layout is intact, the run stays on it
+                rec["transition_error"] = failure
+                if self.rank == 0:
+                    self.controller.plan = self.plan
+                return rec
             # the old state stays until commit (rollback): the transition's own high point
             rec["transition_peak_mem_frac"] = _max(float(report.peak_bytes)) / (self.cfg.budget_mb * 1024**2)
-            rec["verified"] = True  # apply_transition commits only after every rank verified
         self.plan = new_plan
         self.actor.rebind(new_plan.home("actor"))
         self.ref.rebind(new_plan.home("ref"))

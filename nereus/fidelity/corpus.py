@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Mapping
 
 from nereus.errors import SpecError
+from nereus.jsonio import naming
+from nereus.planner.specs import MAX_GPUS
 
 CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages")
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
@@ -71,9 +73,16 @@ def load_file(path: Path, category: str) -> list[Row]:
         raise SpecError(f"{path}: not a UTF-8 text file") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror})") from None
-    reader = csv.DictReader(text.splitlines())
+    try:
+        with naming(path):
+            return _rows(path, category, csv.DictReader(text.splitlines()))
+    except csv.Error as e:  # a NUL byte, a field past the csv module's size limit
+        raise SpecError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _rows(path: Path, category: str, reader: csv.DictReader) -> list[Row]:
     if reader.fieldnames is None or tuple(reader.fieldnames) != COLUMNS:
-        raise SpecError(f"{path}: header must be {','.join(COLUMNS)}, got {','.join(reader.fieldnames or [])!r}")
+        raise SpecError(f"{path}: header must be {','.join(COLUMNS)}, got {','.join(reader.fieldnames or [])[:200]!r}")
     rows = []
     for i, r in enumerate(reader, start=2):
         where = f"{path}:{i}"
@@ -92,7 +101,9 @@ def load_file(path: Path, category: str) -> list[Row]:
         try:
             gpus = int(r["gpus"]) if r["gpus"] else 0
         except ValueError:
-            raise SpecError(f"{where}: gpus {r['gpus']!r} is not a whole number") from None
+            raise SpecError(f"{where}: gpus {r['gpus'][:40]!r} is not a whole number") from None
+        if not 0 <= gpus <= MAX_GPUS:
+            raise SpecError(f"{where}: gpus must be between 0 (unstated) and {MAX_GPUS}, got {gpus}")
         if not r["id"]:
             raise SpecError(f"{where}: empty id")
         rows.append(Row(id=r["id"], category=category, source=r["source"], hardware=r["hardware"].strip().lower(),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import read_json
+from nereus.jsonio import naming, number, read_json
 from nereus.planner.specs import ParallelConfig
 
 GiB = 1024**3
@@ -25,6 +25,7 @@ GiB = 1024**3
 # The actor's generation copy is rebuilt from the training layout every step (weight sync).
 HOME_STAGE = {"actor": "actor/training", "critic": "critic/training", "ref": "ref/inference",
               "reward": "reward/inference"}
+STAGES = ("generation", "inference", "training")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,12 +75,23 @@ class StagePlacement:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StagePlacement":
+        if not isinstance(d, Mapping):
+            raise SpecError(f"plan: a model-stage entry must be a mapping, got {type(d).__name__}")
         try:
+            name = d["name"]
+            role, _, stage = name.partition("/") if isinstance(name, str) else ("", "", "")
+            if role not in HOME_STAGE or stage not in STAGES:
+                raise SpecError(f"plan: model-stage name must be <role>/<stage> with role in {list(HOME_STAGE)} and "
+                                f"stage in {list(STAGES)}, got {name!r}")
+            owner = f"plan: {name}"
             cfg = ParallelConfig(tp=d["tp"], pp=d["pp"], dp=d["dp"], micro_batch=d.get("micro_batch", 1),
-                                 zero=d.get("zero", 1), recompute=bool(d.get("recompute", False)), sp=d.get("sp", 1),
+                                 zero=d.get("zero", 1), recompute=d.get("recompute", False), sp=d.get("sp", 1),
                                  token_budget=d.get("token_budget", 0))
-            return cls(name=d["name"], config=cfg, pool=d["pool"], first_gpu=d.get("first_gpu", 0),
-                       gpus=d["gpus"], time_s=float(d.get("time_s", 0.0)), mem_gib=float(d.get("mem_gib", 0.0)))
+            return cls(name=name, config=cfg, pool=number(owner, "pool", d["pool"], whole=True),
+                       first_gpu=number(owner, "first_gpu", d.get("first_gpu", 0), whole=True),
+                       gpus=number(owner, "gpus", d["gpus"], whole=True),
+                       time_s=float(number(owner, "time_s", d.get("time_s", 0.0))),
+                       mem_gib=float(number(owner, "mem_gib", d.get("mem_gib", 0.0))))
         except KeyError as e:
             raise SpecError(f"plan: model-stage entry is missing field {e.args[0]!r}") from None
 
@@ -141,14 +153,20 @@ class Plan:
             raise SpecError("plan JSON: status is INFEASIBLE; it holds no plan")
         known = {"status", "step_time_s", "solve_s", "gap", "backend", "model_stages"}
         extras = tuple((k, v) for k, v in d.items() if k not in known)
+        if not isinstance(d["model_stages"], list) or not d["model_stages"]:
+            raise SpecError(f"plan JSON: model_stages must be a non-empty list, got {d['model_stages']!r:.60}")
+        figures = {k: float(number("plan JSON", k, d.get(k) or 0.0)) for k in ("step_time_s", "solve_s")}
+        gap = d.get("gap") or 0.0  # None or Infinity: a backend without a bound
+        figures["gap"] = gap if gap == float("inf") else float(number("plan JSON", "gap", gap))
         return cls(stages=tuple(StagePlacement.from_dict(s) for s in d["model_stages"]),
-                   step_time_s=float(d.get("step_time_s", 0.0)), status=str(d.get("status", "FEASIBLE")),
-                   solve_s=float(d.get("solve_s", 0.0)), gap=float(d.get("gap", 0.0) or 0.0),
-                   backend=str(d.get("backend", "")), extras=extras)
+                   status=str(d.get("status", "FEASIBLE")), backend=str(d.get("backend", "")), extras=extras,
+                   **figures)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        data = read_json(path, "plan file")
-        if not isinstance(data, Mapping):
-            raise SpecError(f"plan {path}: expected a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data)
+        """The plan JSON at ``path`` (``nereus plan --json``); every error is one line naming the file."""
+        with naming(path):
+            data = read_json(path, "plan file")
+            if not isinstance(data, Mapping):
+                raise SpecError(f"plan {path}: expected a JSON object, got {type(data).__name__}")
+            return cls.from_dict(data)

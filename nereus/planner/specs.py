@@ -13,10 +13,14 @@ from typing import Any, Mapping
 import yaml
 
 from nereus.errors import SpecError
-from nereus.jsonio import check_keys, read_text
+from nereus.jsonio import check_keys, naming, number, one_line, read_text
 from nereus.models.spec import ModelSpec, load_model
 
 GiB = 1024**3
+MAX_GPUS = 1 << 20
+"""Most GPUs a cluster spec may hold (1,048,576: several times the largest cluster built). Past it
+the planner's per-GPU work (pools, transition regions) stops answering in seconds, and 10^9 nodes is
+a typo, not a cluster."""
 
 
 class Stage(str, Enum):
@@ -30,11 +34,8 @@ TRAINABLE = frozenset({"actor", "critic"})
 
 
 def _positive(owner: str, name: str, v: Any, *, allow_zero: bool = False, real: bool = False) -> None:
-    ok_type = (int, float) if real else (int,)
-    if isinstance(v, bool) or not isinstance(v, ok_type):
-        raise SpecError(f"{owner}: {name} must be a {'number' if real else 'whole number'}, got {v!r}")
-    if v < 0 or (v == 0 and not allow_zero):
-        raise SpecError(f"{owner}: {name} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+    """A finite number > 0 (>= 0 with ``allow_zero``), a whole one unless ``real``; never a bool."""
+    number(owner, name, v, whole=not real, minimum=0, allow_min=allow_zero)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +120,9 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         _positive("cluster", "nodes", self.nodes)
         _positive("cluster", "gpus_per_node", self.gpus_per_node)
+        if self.nodes * self.gpus_per_node > MAX_GPUS:
+            raise SpecError(f"cluster: nodes({self.nodes}) x gpus_per_node({self.gpus_per_node}) = "
+                            f"{self.nodes * self.gpus_per_node} GPUs; at most {MAX_GPUS} are supported")
 
     @property
     def num_gpus(self) -> int:
@@ -423,8 +427,10 @@ class ParallelConfig:
         for f in ("tp", "pp", "dp", "micro_batch", "sp"):
             _positive("parallel config", f, getattr(self, f))
         _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
-        if self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int):
             raise SpecError(f"parallel config: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.recompute, bool):
+            raise SpecError(f"parallel config: recompute must be true or false, got {self.recompute!r}")
         if self.dp % self.sp:
             raise SpecError(f"parallel config: sp({self.sp}) must divide dp({self.dp}) (sequence parallel ranks "
                             f"are taken from the data-parallel ones)")
@@ -456,21 +462,31 @@ def read_yaml(path: str | Path) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+        problem = getattr(e, "problem", None) or str(e).split("\n")[0]
+        raise SpecError(f"{p}: malformed YAML{where}: {one_line(problem)}") from None
+    except RecursionError:
+        raise SpecError(f"{p}: malformed YAML: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise SpecError(f"{p}: malformed YAML: {str(e).split(':')[0]}") from None
     if not isinstance(data, Mapping):
         raise SpecError(f"{p}: expected a mapping at top level, got {type(data).__name__}")
     return data
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
-    try:
-        return ClusterSpec.from_dict(read_yaml(path))
-    except TypeError as e:  # wrong field types reaching the dataclass
-        raise SpecError(f"{path}: {e}") from None
+    """The cluster YAML at ``path``; every error is one line naming the file."""
+    with naming(path):
+        try:
+            return ClusterSpec.from_dict(read_yaml(path))
+        except TypeError as e:  # wrong field types reaching the dataclass
+            raise SpecError(f"{path}: {e}") from None
 
 
 def load_job(path: str | Path) -> JobSpec:
-    try:
-        return JobSpec.from_dict(read_yaml(path), base_dir=Path(path).parent)
-    except TypeError as e:
-        raise SpecError(f"{path}: {e}") from None
+    """The job YAML at ``path`` (model files it names are read relative to it); every error is one
+    line naming the file."""
+    with naming(path):
+        try:
+            return JobSpec.from_dict(read_yaml(path), base_dir=Path(path).parent)
+        except TypeError as e:
+            raise SpecError(f"{path}: {e}") from None

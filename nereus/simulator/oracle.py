@@ -1,31 +1,38 @@
-"""The offline bound: the best plan sequence for a known trace, by dynamic programming.
+"""Offline policies, which know the whole trace: ``oracle`` (the best plan sequence) and
+``hindsight`` (the best single layout), both by dynamic programming over (step, candidate plan).
 
-States are (step, candidate plan); a step on plan k costs its ground-truth time (the same noisy
-times every policy sees), an edge j -> k costs the ground-truth transition time. The optimum over
-the candidate set is a lower bound for every policy whose plans are all in that set, so the
-simulator puts every plan any online policy used into it, plus the plan the solver finds with the
-*true* cost parameters for sampled trace segments. A plan is unusable at a step when it does not fit
-in memory or needs more GPUs than the step has.
+A step on plan k costs its ground-truth time (the same per-step times every policy sees: the truth
+is a deterministic function of plan and step); an edge j -> k costs the ground-truth transition
+time. A plan is unusable at a step when it does not fit there or needs more GPUs than granted.
 
-Edges: pricing every pair of candidates with the transition planner is too slow at 1,024 GPUs
-(seconds per large layout change), so the edge set is: free edges between plans of one layout,
-every transition some policy actually paid (already priced), and up to ``edge_budget`` priced edges
-into and out of the solver's extra plans; other pairs are not edges. Every online policy's plan
-sequence is therefore a path of the graph, so the optimum is still a bound on each of them.
-Cost: plans x segments noiseless evaluations (cached in the ground truth), one vectorised step-time
-matrix, the priced edges; the DP itself is O(steps x K^2) numpy.
+Candidates: every plan an online policy used, the solver's plan for a few trace segments (planner
+parameters: no policy is handed the truth's internals) and, for each of those, the same plan with
+every other generation TP (the axis the planner's model most often ranks wrongly; the offline
+policies see the true times, so they may as well look). The oracle's optimum over that set is a
+lower bound for every online policy whose plans are all in it.
+
+Edges: free between plans of one layout; every plan change a policy made, live or through a crash
+and restart (priced as a live transition); up to ``edge_budget`` more priced edges into and out of
+the extra plans (pricing every pair at 1,024 GPUs would take minutes). Every online policy's plan
+sequence is therefore a path of the graph, and the oracle a bound on every policy that completed
+all its steps (a crash costs a restart, which is dearer than the live transition priced here).
+
+``hindsight`` runs the same DP inside one layout family at a time (the TP/PP of every model-stage
+and the pools as fractions of the GPUs, so a family follows the GPU count by scaling DP, and the
+knobs stay free), and keeps the best family: the best a user could do with one layout chosen
+knowing the trace. ``static``'s plans are one family, so hindsight is never slower than static
+when static completes every step.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import numpy as np
 
 from nereus.planner.plan import Plan
-from nereus.simulator.groundtruth import GroundTruth
-from nereus.simulator.trace import Trace
-from nereus.planner.specs import Workload
+from nereus.simulator.truth.machine import GroundTruth, plan_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,48 +41,35 @@ class OraclePath:
     step_s: tuple[float, ...]
     transition_s: tuple[float, ...]
     """Transition time paid before each step (0 when the plan did not change)."""
-    floor_s: tuple[float, ...]
-    """Per step, the fastest usable candidate (a lower bound on any step's time)."""
+    total_s: float
 
 
-def segments(trace: Trace) -> list[tuple[int, int]]:
-    """(first row, end row) of runs of identical trace rows (a sparse CSV row held over steps)."""
-    out, start = [], 0
-    for i in range(1, len(trace.rows) + 1):
-        if i == len(trace.rows) or _row_key(trace.rows[i]) != _row_key(trace.rows[start]):
-            out.append((start, i))
-            start = i
+def family(plan: Plan) -> tuple:
+    """Layout family: TP/PP per model-stage and pools as fractions of the plan's GPUs."""
+    n = plan.num_gpus
+    return tuple((s.name, s.config.tp, s.config.pp, getattr(s.config, "sp", 1), Fraction(s.first_gpu, n),
+                  Fraction(s.gpus, n)) for s in plan.stages)
+
+
+def usable_steps(plans: list[Plan], gpus: np.ndarray, used: dict[int, set[int]] | None = None) -> list[np.ndarray]:
+    """Per plan, the steps it is scored on: where it uses exactly the granted GPUs, plus the steps
+    some policy ran it on (a plan on fewer GPUs than granted is never better than its scaled self,
+    and scoring it everywhere would cost time)."""
+    out = []
+    for k, p in enumerate(plans):
+        mask = gpus == p.num_gpus
+        for i in (used or {}).get(k, ()):
+            mask[i] = p.num_gpus <= gpus[i]
+        out.append(np.nonzero(mask)[0])
     return out
 
 
-def _row_key(r) -> tuple:
-    return (r.response_len_mean, r.response_len_max, r.gpus, r.response_len_p90, r.prompt_len_mean)
-
-
-def step_time_matrix(gt: GroundTruth, trace: Trace, base: Workload, plans: list[Plan]) -> np.ndarray:
-    """[steps, plans] ground-truth step seconds with the per-step noise (inf where unusable)."""
-    job = gt.job
-    stages = job.model_stages()
-    noise = np.stack([gt.noise_factors(i) for i in range(len(trace.rows))])
-    segs = segments(trace)
-    out = np.full((len(trace.rows), len(plans)), np.inf)
+def step_time_matrix(gt: GroundTruth, plans: list[Plan], steps: list[np.ndarray], n: int) -> np.ndarray:
+    """[steps, plans] ground-truth seconds (inf where unusable or out of memory)."""
+    out = np.full((n, len(plans)), np.inf)
     for k, plan in enumerate(plans):
-        pools = {s.name: s.pool for s in plan.stages}
-        for a, b in segs:
-            if plan.num_gpus > trace.rows[a].gpus:
-                continue
-            t = gt.times(plan, trace.workload(a, base))
-            if not t.feasible:
-                continue
-            st = np.array([t.stage_s[ms] for ms in stages]) * noise[a:b]
-            total = np.full(b - a, t.weight_sync_s)
-            for phase in job.phases():
-                per_pool: dict[int, np.ndarray] = {}
-                for ms in phase:
-                    col = st[:, stages.index(ms)]
-                    per_pool[pools[ms]] = per_pool.get(pools[ms], 0.0) + col
-                total = total + np.max(np.stack(list(per_pool.values())), axis=0)
-            out[a:b, k] = total
+        if len(steps[k]):
+            out[steps[k], k] = gt.step_times(plan, steps[k])
     return out
 
 
@@ -88,7 +82,6 @@ def edge_matrix(gt: GroundTruth, plans: list[Plan], extra: list[int], edge_budge
             t = gt.known_transition(a, b)
             if t is not None:
                 trans[i, j] = t
-    # extra plans connect to plans of the same GPU count (moves within a regime) and from smaller ones
     pairs = [(i, j) for j in extra for i in range(k) if i != j and plans[i].num_gpus <= plans[j].num_gpus]
     pairs += [(j, i) for j in extra for i in range(k) if i != j and plans[i].num_gpus == plans[j].num_gpus]
     pairs.sort(key=lambda p: (max(plans[p[0]].num_gpus, plans[p[1]].num_gpus), p))
@@ -97,27 +90,92 @@ def edge_matrix(gt: GroundTruth, plans: list[Plan], extra: list[int], edge_budge
     return trans
 
 
-def solve_oracle(gt: GroundTruth, trace: Trace, base: Workload, plans: list[Plan], extra: list[int] = (),
-                 edge_budget: int = 48) -> OraclePath:
-    """Minimum total (steps + transitions) over plan sequences drawn from ``plans``; ``extra`` are
-    the indices of plans no policy used (their edges are priced within ``edge_budget``)."""
-    times = step_time_matrix(gt, trace, base, plans)
+def dp_path(times: np.ndarray, trans: np.ndarray) -> OraclePath | None:
+    """Minimum of step times + transitions over plan sequences; None when some step has no
+    usable plan."""
     n, k = times.shape
-    trans = edge_matrix(gt, plans, list(extra), edge_budget)
+    if n == 0 or k == 0:
+        return None
     cost = times[0].copy()
     back = np.zeros((n, k), dtype=np.int64)
-    back[0] = np.arange(k)
     for t in range(1, n):
-        via = cost[:, None] + trans  # [from, to]
+        via = cost[:, None] + trans
         back[t] = np.argmin(via, axis=0)
         cost = via[back[t], np.arange(k)] + times[t]
     last = int(np.argmin(cost))
     if not math.isfinite(cost[last]):
-        raise ValueError("oracle: no candidate plan is usable at some step")
+        return None
     idx = [last]
     for t in range(n - 1, 0, -1):
         idx.append(int(back[t, idx[-1]]))
     idx.reverse()
     steps = tuple(float(times[t, j]) for t, j in enumerate(idx))
     trs = (0.0,) + tuple(float(trans[idx[t - 1], idx[t]]) for t in range(1, n))
-    return OraclePath(tuple(idx), steps, trs, tuple(float(x) for x in times.min(axis=1)))
+    return OraclePath(tuple(idx), steps, trs, float(cost[last]))
+
+
+def gen_tp_variants(plan: Plan, heads: int, gpus_per_node: int, tps: tuple[int, ...] = (1, 2, 4, 8)) -> list[Plan]:
+    """``plan`` with every other generation TP that splits the heads and fits its pool (DP adjusted)."""
+    gen = plan.stage("actor/generation")
+    out = []
+    for tp in tps:
+        c = gen.config
+        if tp == c.tp or gen.gpus % (tp * c.pp) or heads % tp or tp > gpus_per_node:
+            continue
+        g = replace(gen, config=replace(c, tp=tp, dp=gen.gpus // (tp * c.pp)))
+        out.append(replace(plan, stages=tuple(g if s.name == gen.name else s for s in plan.stages)))
+    return out
+
+
+def complete_families(plans: list[Plan], gpu_counts: list[int], scale) -> list[Plan]:
+    """Every layout family of ``plans`` at every GPU count of the trace (its plans scaled by
+    ``scale(plan, gpus)`` where the family has none there): a single layout must run the whole trace."""
+    fams: dict[tuple, list[Plan]] = {}
+    for p in plans:
+        fams.setdefault(family(p), []).append(p)
+    have = {plan_key(p) for p in plans}
+    out = list(plans)
+    for members in fams.values():
+        counts = {p.num_gpus for p in members}
+        for g in gpu_counts:
+            if g in counts:
+                continue
+            q = scale(members[0], g)
+            if q is not None and plan_key(q) not in have:
+                have.add(plan_key(q))
+                out.append(q)
+    return out
+
+
+def hindsight(gt: GroundTruth, plans: list[Plan], times: np.ndarray,
+              gpu_changes: set[tuple[int, int]]) -> tuple[OraclePath | None, list[int]]:
+    """Best single layout family: (its path, indices of its plans). Edges inside a family join
+    plans on the same GPU count and plans across a GPU change the trace makes (``gpu_changes``:
+    (from, to) GPU counts)."""
+    fams: dict[tuple, list[int]] = {}
+    for k, p in enumerate(plans):
+        fams.setdefault(family(p), []).append(k)
+    best, best_idx = None, []
+    for idx in fams.values():
+        sub = times[:, idx]
+        if not np.isfinite(sub).any(axis=1).all():
+            continue
+        if best is not None and np.min(sub, axis=1).sum() >= best.total_s:
+            continue  # even free transitions could not beat the best family so far
+        k = len(idx)
+        trans = np.zeros((k, k))
+        for a in range(k):
+            for b in range(k):
+                pa, pb = plans[idx[a]], plans[idx[b]]
+                if a == b:
+                    continue
+                if pa.num_gpus == pb.num_gpus or (pa.num_gpus, pb.num_gpus) in gpu_changes:
+                    trans[a, b] = gt.transition_s(pa, pb)
+                else:
+                    trans[a, b] = np.inf
+        path = dp_path(sub, trans)
+        if path is not None and (best is None or path.total_s < best.total_s):
+            best, best_idx = path, idx
+    if best is None:
+        return None, []
+    return replace(best, plan_index=tuple(best_idx[i] for i in best.plan_index)), best_idx

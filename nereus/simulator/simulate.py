@@ -1,12 +1,18 @@
-"""Replay a trace through policies against the ground truth, and summarise.
+"""Replay a trace through policies against the ground truth, and summarise (all results SIMULATED).
 
 Per step of an online policy: the plan decided after the previous step runs the step in the ground
-truth (noisy stage times); the policy sees only those observations (the metrics a training loop
-logs), the GPUs granted for the next step and the next step's response cap, and decides the next
-plan; a layout change blocks the job for its ground-truth transition time. A step whose plan does
-not fit in memory (or needs more GPUs than granted) is an *infeasible step*: counted, and charged
-the fastest usable candidate's time at that step (a lower bound, so an infeasible baseline is never
-made to look slower than it could be). The oracle runs last, over every plan the others used.
+truth (``truth.machine.GroundTruth``); the policy sees only what a training loop logs (per-stage
+seconds, the sampled responses' mean and longest, the trainer's cap, peak memory, the GPUs granted
+next, and whether the step ran out of memory) and decides the next plan; a layout change blocks
+the job for its ground-truth transition time.
+
+A step that runs out of memory is a crash, as on a real cluster: the time until the failure plus a
+restart (relaunch, checkpoint read, engine start) is lost, the policy is told (``oom``), and the
+step is retried on the plan it picks (at most ``MAX_ATTEMPTS`` tries; then the step's batch is
+dropped). Nothing about a crash is free, and a dropped step is reported, never priced away.
+
+Offline policies (``hindsight``, ``oracle``) run last, over the plans the others used plus their own
+candidates (``oracle.py``).
 """
 from __future__ import annotations
 
@@ -15,57 +21,123 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from nereus.errors import SpecError
+import numpy as np
+
+from nereus.errors import NereusError, SpecError
+from nereus.planner.cost.params import CostParams
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.controller import StepMetrics
-from nereus.planner.cost.params import CostParams
+from nereus.planner.online.plan_cache import FREE, PlanCache, scale_plan
 from nereus.planner.plan import Plan
-from nereus.planner.online.plan_cache import FREE, PlanCache
-from nereus.planner.cost.plan_times import plan_key
-from nereus.simulator.groundtruth import GroundTruth
-from nereus.simulator.oracle import segments, solve_oracle
-from nereus.simulator.policies import ONLINE, POLICIES, make_controller
-from nereus.simulator.trace import Trace
+from nereus.planner.solver.problem import CandidateSettings
 from nereus.planner.specs import ClusterSpec, JobSpec
+from nereus.simulator import oracle as offline
+from nereus.simulator.policies import OFFLINE, ONLINE, POLICIES, make_controller, naive_fix, naive_plan, rescale_naive
+from nereus.simulator.schedules import TransitionSchedules
+from nereus.simulator.trace import Trace
+from nereus.simulator.truth.machine import GroundTruth, Observation, plan_key
+
+SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1))
+"""The solver's option set in simulation: four generation KV-budget levels instead of seven (the
+generation options dominate the solver's table building; every solve of a 1,000-step run pays it)."""
+MAX_ATTEMPTS = 4
+"""Tries of one step before its batch is dropped (a user gives up on a step after a few crashes)."""
+LABEL = "SIMULATED"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyResult:
     policy: str
     step_s: tuple[float, ...]
-    """Per step seconds (infeasible steps: the charged lower bound)."""
+    """Per step, the seconds of the run that completed (nan when the step was dropped)."""
     transition_s: tuple[float, ...]
-    """Per step, the transition time paid before it."""
-    infeasible: tuple[bool, ...]
+    """Per step, the live transition paid before it."""
+    restart_s: tuple[float, ...] = ()
+    """Per step, seconds lost to crashes (work until the OOM + restart) and relaunches."""
+    ooms: tuple[int, ...] = ()
+    restarts: tuple[int, ...] = ()
+    dropped: tuple[bool, ...] = ()
     plans: tuple[Plan, ...] = field(default=(), repr=False)
-    """Distinct plans used (for the oracle's candidate set)."""
+    """Distinct plans used (for the offline policies' candidate set)."""
+    plan_index: tuple[int, ...] = field(default=(), repr=False)
+    """Per step, the index into ``plans`` of the plan the step completed on (-1: dropped)."""
     wall_s: float = 0.0
     solves: int = 0
-    max_overhead_ms: float = 0.0
-    mean_overhead_ms: float = 0.0
+    overhead_ms: tuple[float, ...] = field(default=(), repr=False)
+    """Controller seconds per decision without a re-solve, in ms."""
+    note: str = ""
+    """Why the policy did not run at all (its layout rule has no feasible plan), else empty."""
+
+    def __post_init__(self) -> None:
+        n = len(self.step_s)
+        for name in ("restart_s", "ooms", "restarts", "dropped"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (False,) * n if name == "dropped" else (0,) * n)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for d in self.dropped if not d)
 
     @property
     def total_s(self) -> float:
-        return sum(self.step_s) + sum(self.transition_s)
+        return float(np.nansum(self.step_s)) + sum(self.transition_s) + sum(self.restart_s)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` record of the CLI contract (plus a few diagnostics)."""
+        """The ``--json`` record of the CLI contract (plus diagnostics). ``mean_step_s`` is wall time per
+        completed step (transitions and restarts included)."""
         n, total, trans = len(self.step_s), self.total_s, sum(self.transition_s)
-        return {"steps": n, "mean_step_s": total / n, "total_s": total, "transition_s": trans,
-                "transition_overhead": trans / total if total else 0.0,
-                "transitions": sum(1 for t in self.transition_s if t > 0), "infeasible_steps": sum(self.infeasible),
-                "mean_compute_step_s": sum(self.step_s) / n, "wall_s": self.wall_s, "solves": self.solves,
-                "controller_overhead_ms_mean": self.mean_overhead_ms, "controller_overhead_ms_max": self.max_overhead_ms}
+        done = max(1, self.completed)
+        ov = sorted(self.overhead_ms) or [0.0]
+        return {"label": LABEL, "steps": n, "completed_steps": self.completed,
+                "mean_step_s": total / done if self.completed else math.nan,
+                "total_s": total, "transition_s": trans, "transition_overhead": trans / total if total else 0.0,
+                "transitions": sum(1 for t in self.transition_s if t > 0),
+                "infeasible_steps": sum(1 for o, d in zip(self.ooms, self.dropped) if o or d),
+                "ooms": int(sum(self.ooms)), "restarts": int(sum(self.restarts)), "restart_s": float(sum(self.restart_s)),
+                "dropped_steps": n - self.completed,
+                "mean_compute_step_s": float(np.nanmean(self.step_s)) if self.completed else math.nan,
+                "wall_s": self.wall_s, "solves": self.solves,
+                "controller_overhead_ms_median": ov[len(ov) // 2], "controller_overhead_ms_p99": ov[int(0.99 * (len(ov) - 1))],
+                "controller_overhead_ms_max": ov[-1], **({"not_run": self.note} if self.note else {})}
 
 
-def _metrics(trace: Trace, i: int, obs, base_prompt: int) -> StepMetrics:
+def _metrics(trace: Trace, i: int, obs: Observation, base_prompt: int, *, retry: bool = False) -> StepMetrics:
+    """What a training loop logs after step ``i`` (no p90: verl does not log one)."""
     r = trace.rows[i]
-    nxt = trace.rows[min(i + 1, len(trace.rows) - 1)]
-    return StepMetrics(step=r.step, response_len_mean=r.response_len_mean, response_len_max=r.response_len_max,
-                       response_len_p90=r.response_len_p90,
+    nxt = r if retry else trace.rows[min(i + 1, len(trace.rows) - 1)]
+    return StepMetrics(step=r.step, response_len_mean=obs.response_len_mean, response_len_max=obs.response_len_max,
                        prompt_len=base_prompt if r.prompt_len_mean is None else round(r.prompt_len_mean),
                        stage_times=dict(obs.stage_s) if obs.feasible else {}, peak_mem_gib=obs.peak_mem_gib,
-                       gpus_available=nxt.gpus, response_len_cap=nxt.response_len_max, oom=not obs.feasible)
+                       gpus_available=nxt.gpus, response_len_cap=nxt.cap, oom=not obs.feasible,
+                       oom_stage=obs.oom_stage)
+
+
+class _Run:
+    """Per-step bookkeeping shared by the online and scripted loops."""
+
+    def __init__(self, n: int) -> None:
+        self.step_s = [math.nan] * n
+        self.trans = [0.0] * n
+        self.restart = [0.0] * n
+        self.ooms = [0] * n
+        self.restarts = [0] * n
+        self.dropped = [False] * n
+        self.index = [-1] * n
+        self.plans: dict[tuple, int] = {}
+        self.plan_list: list[Plan] = []
+
+    def use(self, plan: Plan) -> int:
+        k = plan_key(plan)
+        if k not in self.plans:
+            self.plans[k] = len(self.plan_list)
+            self.plan_list.append(plan)
+        return self.plans[k]
+
+    def result(self, name: str, t0: float, solves: int = 0, overhead: Iterable[float] = ()) -> PolicyResult:
+        return PolicyResult(policy=name, step_s=tuple(self.step_s), transition_s=tuple(self.trans),
+                            restart_s=tuple(self.restart), ooms=tuple(self.ooms), restarts=tuple(self.restarts),
+                            dropped=tuple(self.dropped), plans=tuple(self.plan_list), plan_index=tuple(self.index),
+                            wall_s=time.perf_counter() - t0, solves=solves, overhead_ms=tuple(overhead))
 
 
 def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, *,
@@ -76,79 +148,153 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
     base = job.workload()
     ctl = make_controller(name, job, cluster, trace.workload(0, base), trace.rows[0].gpus, total_steps=len(trace),
                           plans=plans, horizon=horizon, margin=margin, audit=audit, seed=seed, params=params)
-    plan = ctl.plan
-    used = {plan_key(plan): plan}
-    step_s, trans_s, infeasible, overhead = [], [0.0], [], []
+    plan, run, overhead = ctl.plan, _Run(len(trace)), []
     for i, row in enumerate(trace.rows):
-        obs = gt.observe(plan, trace.workload(i, base), i)
-        ok = obs.feasible and plan.num_gpus <= row.gpus
-        infeasible.append(not ok)
-        step_s.append(obs.step_s if ok else math.nan)
+        for attempt in range(MAX_ATTEMPTS):
+            obs = gt.observe(plan, i) if plan.num_gpus <= row.gpus else None
+            if obs is not None and obs.feasible:
+                run.step_s[i], run.index[i] = obs.step_s, run.use(plan)
+                break
+            if obs is None:  # no plan fits the granted GPUs: nothing to run
+                run.dropped[i] = True
+                break
+            run.ooms[i] += 1
+            run.restarts[i] += 1
+            run.restart[i] += obs.lost_s + gt.restart_s(plan)
+            d = ctl.step(_metrics(trace, i, obs, base.prompt_len, retry=True))
+            if not d.feasible and d.plan is plan:  # the policy has nothing else to run: the batch is lost
+                run.dropped[i] = True
+                break
+            plan = d.plan  # relaunched from the checkpoint in the new layout: the restart is the transition
+        else:
+            run.dropped[i] = True
         if tick:
             tick()
         if i == len(trace.rows) - 1:
             break
-        d = ctl.step(_metrics(trace, i, obs if ok else _failed(obs), base.prompt_len))
-        overhead.append(d.overhead_s)
-        t = 0.0
+        if obs is None:
+            continue
+        d = ctl.step(_metrics(trace, i, obs, base.prompt_len))
+        if not d.resolved:
+            overhead.append(d.overhead_s * 1e3)
         if d.action == "switch":
             t = gt.transition_s(plan, d.plan)
             if t > 0:
                 ctl.report_transition(t)
+            run.trans[i + 1] = t
             plan = d.plan
-            used.setdefault(plan_key(plan), plan)
-        trans_s.append(t)
     ctl.close()
-    ov = [x * 1e3 for x in overhead] or [0.0]
-    return PolicyResult(policy=name, step_s=tuple(step_s), transition_s=tuple(trans_s), infeasible=tuple(infeasible),
-                        plans=tuple(used.values()), wall_s=time.perf_counter() - t0, solves=plans.solves - solves0,
-                        max_overhead_ms=max(ov), mean_overhead_ms=sum(ov) / len(ov))
+    return run.result(name, t0, plans.solves - solves0, overhead)
 
 
-def _failed(obs):
-    from nereus.simulator.groundtruth import Observation
-
-    return Observation({}, math.inf, False, obs.peak_mem_gib, obs.violations)
-
-
-def oracle_candidates(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: Iterable[PolicyResult],
-                      samples: int = 2) -> tuple[list[Plan], list[int]]:
-    """Every plan the online policies used, plus the solver's best under the *true* parameters for
-    ``samples`` evenly spaced trace segments and the first segment after every GPU change; returns
-    (plans, indices of the extra plans)."""
-    cands = {}
-    for r in results:
-        for p in r.plans:
-            cands.setdefault(plan_key(p), p)
-    extra: list[int] = []
-    segs = segments(trace)
-    picks = {round(j * (len(segs) - 1) / max(1, samples - 1)) for j in range(samples)}
-    picks |= {j for j in range(1, len(segs)) if trace.rows[segs[j][0]].gpus != trace.rows[segs[j - 1][0]].gpus}
-    base = job.workload()
-    for j in sorted(picks):
-        a = segs[j][0]
-        p = plans.best(FREE, trace.workload(a, base), trace.rows[a].gpus, gt.params, ("truth",))
-        if p is not None and plan_key(p) not in cands:
-            cands[plan_key(p)] = p
-            extra.append(len(cands) - 1)
-    return list(cands.values()), extra
-
-
-def run_oracle(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult]) -> PolicyResult:
+def run_naive(job: JobSpec, trace: Trace, gt: GroundTruth, tick: Callable[[], None] | None = None) -> PolicyResult:
+    """static-naive (``policies.naive_plan``): a fixed example layout; OOM = crash, restart, user fix."""
     t0 = time.perf_counter()
-    solves0 = plans.solves
-    cands, extra = oracle_candidates(job, trace, gt, plans, results)
-    path = solve_oracle(gt, trace, job.workload(), cands, extra, edge_budget=16)
-    used = {path.plan_index[0]} | set(path.plan_index)
-    return PolicyResult(policy="oracle", step_s=path.step_s, transition_s=path.transition_s,
-                        infeasible=(False,) * len(path.step_s), plans=tuple(cands[i] for i in sorted(used)),
-                        wall_s=time.perf_counter() - t0, solves=plans.solves - solves0), path.floor_s
+    plan, run = naive_plan(job, trace.rows[0].gpus), _Run(len(trace))
+    for i, row in enumerate(trace.rows):
+        if row.gpus != plan.num_gpus:  # a framework without live resharding relaunches on the new GPUs
+            plan = rescale_naive(plan, row.gpus)
+            run.restarts[i] += 1
+            run.restart[i] += gt.restart_s(plan)
+        for _ in range(MAX_ATTEMPTS):
+            obs = gt.observe(plan, i)
+            if obs.feasible:
+                run.step_s[i], run.index[i] = obs.step_s, run.use(plan)
+                break
+            run.ooms[i] += 1
+            run.restarts[i] += 1
+            run.restart[i] += obs.lost_s + gt.restart_s(plan)
+            fixed = naive_fix(job, plan, obs.oom_stage)
+            if fixed is None:
+                break
+            plan = fixed
+        else:
+            run.dropped[i] = True
+        if not obs.feasible:
+            run.dropped[i] = True
+        if tick:
+            tick()
+    return run.result("static-naive", t0)
 
 
-def charge_infeasible(r: PolicyResult, floor: tuple[float, ...]) -> PolicyResult:
-    from dataclasses import replace
+def offline_candidates(job: JobSpec, trace: Trace, plans: PlanCache, results: Iterable[PolicyResult],
+                       params: CostParams, samples: int = 4) -> tuple[list[Plan], list[int], dict[int, set[int]]]:
+    """(candidates, indices of the extra ones, steps each candidate was run on by some policy)."""
+    cands: dict[tuple, Plan] = {}
+    used: dict[int, set[int]] = {}
+    for r in results:
+        if r.policy == "static-naive" or r.note:
+            continue  # relaunch-only plans (ZeRO-3 everywhere): no live transition reaches them
+        for k, p in enumerate(r.plans):
+            key = plan_key(p)
+            if key not in cands:
+                cands[key] = p
+            j = list(cands).index(key)
+            used.setdefault(j, set()).update(i for i, x in enumerate(r.plan_index) if x == k)
+    n_used = len(cands)
+    base = job.workload()
+    gpus = [r.gpus for r in trace.rows]
+    picks = {round(j * (len(trace) - 1) / max(1, samples - 1)) for j in range(samples)}
+    picks |= {i for i in range(1, len(trace)) if gpus[i] != gpus[i - 1]}
+    for i in sorted(picks):
+        p = plans.best(FREE, trace.workload(i, base), gpus[i], params)
+        if p is not None:
+            cands.setdefault(plan_key(p), p)
+    for p in list(cands.values()):
+        for q in offline.gen_tp_variants(p, job.model("actor").heads, plans.cluster.gpus_per_node):
+            cands.setdefault(plan_key(q), q)
+    out = list(cands.values())
+    return out, list(range(n_used, len(out))), used
 
-    return replace(r, step_s=tuple(f if bad else s for s, f, bad in zip(r.step_s, floor, r.infeasible)))
+
+def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult],
+                which: Iterable[str], params: CostParams) -> dict[str, PolicyResult]:
+    t0 = time.perf_counter()
+    which = list(which)
+    cands, extra, used = offline_candidates(job, trace, plans, results, params)
+    gpus = np.array([r.gpus for r in trace.rows])
+    counts = sorted(set(gpus.tolist()))
+    changes = {(int(a), int(b)) for a, b in zip(gpus[:-1], gpus[1:]) if a != b}
+    if "hindsight" in which:
+        n0 = len(cands)
+        cands = offline.complete_families(cands, counts, scale_plan)
+        extra = extra + list(range(n0, len(cands)))
+    steps = offline.usable_steps(cands, gpus, used)
+    times = offline.step_time_matrix(gt, cands, steps, len(trace))
+    # every plan change a policy made is an edge of the graph, also one made by a crash and restart
+    # (priced as a live transition): each policy's sequence of plans is then a path the DP can take
+    for r in results:
+        if r.policy == "static-naive" or r.note:
+            continue
+        seq = [r.plans[k] for k in r.plan_index if k >= 0]
+        for a, b in zip(seq, seq[1:]):
+            if a is not b:
+                gt.transition_s(a, b)
+    out = {}
+    if "hindsight" in which:  # first: the edges it prices join the oracle's graph, so oracle <= hindsight
+        path, _ = offline.hindsight(gt, cands, times, changes)
+        out["hindsight"] = _path_result("hindsight", path, cands, len(trace), t0)
+    if "oracle" in which:
+        budget = 32 if trace.max_gpus <= 128 else 12  # pricing a 1,024-GPU layout change is slow
+        path = offline.dp_path(times, offline.edge_matrix(gt, cands, extra, edge_budget=budget))
+        out["oracle"] = _path_result("oracle", path, cands, len(trace), t0)
+    return {k: out[k] for k in which}
+
+
+def _not_run(name: str, n: int, why: str) -> PolicyResult:
+    return PolicyResult(policy=name, step_s=(math.nan,) * n, transition_s=(0.0,) * n, dropped=(True,) * n, note=why)
+
+
+def _path_result(name: str, path, cands: list[Plan], n: int, t0: float) -> PolicyResult:
+    if path is None:
+        nan = (math.nan,) * n
+        return PolicyResult(policy=name, step_s=nan, transition_s=(0.0,) * n, dropped=(True,) * n,
+                            wall_s=time.perf_counter() - t0)
+    used = sorted(set(path.plan_index))
+    pos = {k: j for j, k in enumerate(used)}
+    return PolicyResult(policy=name, step_s=path.step_s, transition_s=path.transition_s,
+                        plans=tuple(cands[k] for k in used), plan_index=tuple(pos[k] for k in path.plan_index),
+                        wall_s=time.perf_counter() - t0)
 
 
 def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterable[str] = POLICIES, *,
@@ -163,13 +309,16 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
         raise SpecError(f"unknown policy {bad}; choose from {', '.join(POLICIES)} or all")
     if trace.max_gpus > cluster.num_gpus:
         raise SpecError(f"trace {trace.name} asks for {trace.max_gpus} GPUs; cluster has {cluster.num_gpus}")
-    gt = gt or GroundTruth(job, cluster, seed=seed)
-    plans = PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed)
+    gt = gt or GroundTruth(job, cluster, trace, seed=seed, schedule_fn=TransitionSchedules(job, cluster))
+    plans = PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed, candidates=SIM_CANDIDATES)
     online = [p for p in policies if p in ONLINE]
     audited = "adaptive" if "adaptive" in online else (online[0] if online else None)
-    bar = _bar(progress, len(trace) * len(online), trace.name)
+    runs = len(trace) * (len(online) + ("static-naive" in policies))
+    bar = _bar(progress, runs, trace.name)
     out: dict[str, PolicyResult] = {}
     try:
+        if "static-naive" in policies:
+            out["static-naive"] = run_naive(job, trace, gt, tick=bar.update if bar else None)
         for name in online:
             audit = AuditLog(audit_path) if audit_path and name == audited else None
             if bar is not None:
@@ -177,18 +326,17 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
             try:
                 out[name] = run_online(name, job, cluster, trace, gt, plans, params=params, horizon=horizon,
                                        margin=margin, seed=seed, audit=audit, tick=bar.update if bar else None)
+            except NereusError as e:  # the policy cannot even start (its layout rule has no feasible plan)
+                out[name] = _not_run(name, len(trace), str(e))
             finally:
                 if audit is not None:
                     audit.close()
     finally:
         if bar is not None:
             bar.close()
-    need_floor = any(any(r.infeasible) for r in out.values())
-    if "oracle" in policies or need_floor:
-        oracle, floor = run_oracle(job, trace, gt, plans, list(out.values()))
-        out = {k: charge_infeasible(r, floor) for k, r in out.items()}
-        if "oracle" in policies:
-            out["oracle"] = oracle
+    wanted = [p for p in policies if p in OFFLINE]
+    if wanted:
+        out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams()))
     return {p: out[p] for p in policies}
 
 

@@ -2,6 +2,7 @@
 the plain and executor backends, the shared-host clock, CLI argument errors."""
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,8 +22,23 @@ def test_in_process_microbench_tables_are_tidy_and_positive():
     assert list(t["matmul"]["m"]) == [32, 64, 128] and (t["matmul"]["seconds"] > 0).all()
     assert (t["matmul"]["tflops"] > 0).all() and (t["copy"]["gbps"] > 0).all()
     assert t["comm"].empty
-    # seconds is the median of corrected repeats, never faster than the fastest repeat
-    assert (t["matmul"]["seconds"] >= t["matmul"]["seconds_min"] - 1e-12).all()
+    assert set(t["matmul"].columns) >= {"seconds", "seconds_min"}
+
+
+def test_time_call_reports_the_median_and_the_fastest_repeat():
+    """Repeats of known, distinct lengths (sleeps: no run-queue delay to subtract): the median is
+    the middle one, the minimum the shortest, each a repeat's own time, not a mix."""
+    lengths = iter([0.02, 0.02, 0.03, 0.005, 0.2, 0.01, 0.02])  # two calls size the loop, then 5 repeats
+    med, fastest = mb.time_call(lambda: time.sleep(next(lengths)), "cpu", reps=5, budget_s=0.0)
+    assert 0.02 <= med < 0.03 and 0.005 <= fastest < 0.01, (med, fastest)  # the mean would be 0.053
+
+
+def test_passes_merge_to_the_median_of_pass_medians_and_the_fastest_repeat():
+    rows = [{"m": 1, "seconds": s, "seconds_min": m} for s, m in ((3.0, 2.0), (1.0, 0.5), (2.0, 1.5))]
+    rows += [{"m": 2, "seconds": 7.0, "seconds_min": 6.0}]
+    merged = {r["m"]: r for r in mb._merge(rows, ("m",))}
+    assert (merged[1]["seconds"], merged[1]["seconds_min"]) == (2.0, 0.5)
+    assert (merged[2]["seconds"], merged[2]["seconds_min"]) == (7.0, 6.0)
 
 
 def test_two_process_world_measures_every_collective():

@@ -4,6 +4,7 @@ import json
 import pandas as pd
 import pytest
 
+from nereus.calibration.fit import mape
 from nereus.calibration.profile import SHIPPED, Hardware, Profile, analytic_profile, estimate_table, load_profile
 from nereus.errors import SpecError
 from nereus.planner.cost.params import CostParams
@@ -26,9 +27,21 @@ def test_cpu_profile_is_measured_and_says_how():
     prof = load_profile("cpu-local")
     assert prof.hardware.name == "cpu" and "cpu" not in GPU_PRESETS
     assert prof.how.startswith("nereus calibrate")
+    # held-out MAPE (a fraction) within the README's goals plus a fifth for a re-calibration on a
+    # shared machine: microbenchmarks 9.3% measured, goal 10%; stage timings 13.1%, goal 15%
+    # (a profile measured under load from other jobs, 2-4x worse, should not ship); recomputed from
+    # the held-out table itself, and better than the analytic defaults on the same points
+    limit = {"microbench": 0.12, "stages": 0.18}
     for part in ("microbench", "stages"):
-        assert 0 <= prof.fit["heldout_mape"][part] < 5
-        assert prof.fit[part]["heldout_table"]
+        table = prof.fit[part]["heldout_table"]
+        assert len(table) >= 20
+        measured = [r["measured_s"] for r in table]
+        after = mape([r["predicted_s"] for r in table], measured)
+        before = mape([r["analytic_s"] for r in table], measured)
+        assert prof.fit["heldout_mape"][part] == pytest.approx(after, rel=1e-9)
+        assert prof.fit["heldout_mape_before"][part] == pytest.approx(before, rel=1e-9)
+        assert 0 < after <= limit[part], (part, after)
+        assert after < 0.5 * before, (part, after, before)
 
 
 def test_round_trip_and_errors(tmp_path):

@@ -250,8 +250,9 @@ def test_calibration_factors_are_medians_clamped_to_bounds():
 def test_unpredicted_oom_forces_a_must_switch_off_the_failed_plan(env):
     """At step 1 on the stretched layout, the only faster plan costs 1e5 s to reach, so the
     controller stays (control run). An OOM the model did not predict makes leaving a must: the
-    controller then takes the candidate with the lowest transition + horizon time, the cheap way
-    back to the 8-GPU plan, and not the fastest plan."""
+    controller then takes the candidate with the lowest transition + horizon time (here the failed
+    layout with knobs that fit the memory reserve the OOM taught, at no transition cost), and not the
+    fastest plan."""
     _, control = _run(env, 2, second=1e5)
     assert control[1].action == "stay" and "does not repay" in control[1].reason, control[1].reason
     ctl = _ctl(env, _two_step_costs(1e5))
@@ -269,13 +270,14 @@ def test_unpredicted_oom_forces_a_must_switch_off_the_failed_plan(env):
     fastest = min(cands, key=lambda c: c["horizon_s"])
     cheapest_total = min(cands, key=lambda c: c["horizon_s"] + c["transition_s"])
     assert fastest is not cheapest_total  # the two rules disagree here ...
-    assert rec["plan"] == cheapest_total["layout"] and d1.predicted_cost_s == 10.0  # ... and the total wins
+    assert rec["plan"] == cheapest_total["layout"]  # ... and the total wins
+    assert d1.predicted_cost_s == cheapest_total["transition_s"] < fastest["transition_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (see report): an OOM on the solver's own optimum leaves the controller "
-                                      "on that plan: the solver proposes it again, it is excluded as 'current', "
-                                      "and the decision is 'stay, feasible=False' step after step")
 def test_repeated_oom_on_the_solvers_own_optimum_moves_off_that_plan(env):
+    """Was a bug: an OOM on the solver's own optimum left the controller there (the solver proposed
+    it again and it was excluded as 'current'). The OOM now teaches a memory reserve and marks the
+    plan out, so the controller moves."""
     ctl = _ctl(env, _const(5.0), initial_gpus=None)
     start = ctl.plan
     ds = [ctl.step(_metrics(env, 0, ctl.plan))]

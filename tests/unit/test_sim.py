@@ -1,6 +1,7 @@
 """End-to-end simulation on a small trace: every policy, the oracle bound, the JSON contract."""
 import json
 
+import numpy as np
 import pytest
 
 from nereus.cli import main
@@ -27,10 +28,16 @@ def results():
 
 
 def test_no_online_policy_beats_the_oracle(results):
+    """The oracle's optimum over every plan used is a bound for a policy that ran every step
+    without a crash (a crash replaces a priced transition by a restart; a dropped step is not run)."""
     oracle = results["oracle"].total_s
+    checked = 0
     for name, r in results.items():
-        if name != "oracle" and not any(r.infeasible):
+        if name not in ("oracle", "static-naive") and not any(r.dropped) and not any(r.ooms):
+            checked += 1
             assert r.total_s >= oracle * (1 - 1e-9), (name, r.total_s, oracle)
+    assert results["hindsight"].total_s >= oracle * (1 - 1e-9)
+    assert checked or all(any(r.ooms) or any(r.dropped) for n, r in results.items() if n not in ("oracle", "hindsight"))
 
 
 def test_adaptive_not_worse_than_static_by_more_than_its_transitions(results):
@@ -43,7 +50,8 @@ def test_summary_records_and_counts(results):
         d = r.to_dict()
         assert KEYS <= set(d) and d["steps"] == 40
         assert d["transitions"] == sum(1 for t in r.transition_s if t > 0)
-        assert abs(d["total_s"] - sum(r.step_s) - d["transition_s"]) < 1e-6
+        assert abs(d["total_s"] - np.nansum(r.step_s) - d["transition_s"] - d["restart_s"]) < 1e-6
+        assert d["label"] == "SIMULATED"
     assert results["adaptive"].to_dict()["transitions"] >= 1  # the GPU jump is taken
 
 

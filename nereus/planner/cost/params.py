@@ -8,12 +8,13 @@ p2p 5-8 us. Fitted GPU profiles (``nereus/calibration/profiles``) replace them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from nereus.errors import SpecError
-from nereus.jsonio import check_keys, read_json
+from nereus.jsonio import check_keys, naming, read_json
 
 STAGES = ("generation", "inference", "training")
 
@@ -86,16 +87,17 @@ class CostParams:
             v = getattr(self, f.name)
             if f.name == "stage_factor":
                 for stage, x in v:
-                    if stage not in STAGES or not x > 0:
-                        raise SpecError(f"cost params: stage_factor {stage}={x} invalid")
+                    if stage not in STAGES or not _real(x) or not x > 0:
+                        raise SpecError(f"cost params: stage_factor {stage}={x} invalid (stages {', '.join(STAGES)}; "
+                                        f"factors finite and > 0)")
                 continue
             if f.name == "engine_overhead":
                 for row in v:
-                    if len(row) != 3 or not all(isinstance(x, (int, float)) and x >= 0 for x in row[1:]):
+                    if len(row) != 3 or not isinstance(row[0], str) or not all(_real(x) and x >= 0 for x in row[1:]):
                         raise SpecError(f"cost params: engine_overhead entry {row!r} must be (engine, s >= 0, s >= 0)")
                 continue
-            if not isinstance(v, (int, float)) or v < 0:
-                raise SpecError(f"cost params: {f.name} must be a number >= 0, got {v!r}")
+            if not _real(v) or v < 0:
+                raise SpecError(f"cost params: {f.name} must be a finite number >= 0, got {v!r}")
         for f in ("mfu_train", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
                   "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:
@@ -140,24 +142,42 @@ class CostParams:
         kw = dict(d)
         if "stage_factor" in kw:
             sf = kw["stage_factor"]
+            if not isinstance(sf, (Mapping, list, tuple)):
+                raise SpecError(f"cost params: stage_factor must map stage -> factor, got {sf!r}")
             sf = sf.items() if isinstance(sf, Mapping) else sf
-            kw["stage_factor"] = tuple((str(s), float(x)) for s, x in sf)
+            try:
+                kw["stage_factor"] = tuple((str(s), float(x)) for s, x in sf)
+            except (TypeError, ValueError, OverflowError):
+                raise SpecError(f"cost params: stage_factor must map stage -> factor, "
+                                f"got {kw['stage_factor']!r}") from None
         if "engine_overhead" in kw:
             eo = kw["engine_overhead"]
-            eo = [(e, *v) for e, v in eo.items()] if isinstance(eo, Mapping) else eo
             try:
+                eo = [(e, *v) for e, v in eo.items()] if isinstance(eo, Mapping) else eo
                 kw["engine_overhead"] = tuple((str(e), float(a), float(b)) for e, a, b in eo)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise SpecError(f"cost params: engine_overhead must map engine -> [s, s per sequence], got {eo!r}") from None
         return cls(**kw)
 
     @classmethod
     def load(cls, path: str | Path) -> "CostParams":
-        """From a profile JSON (``{"params": {...}}``) or a bare params JSON."""
-        data = read_json(path, "profile")
-        if not isinstance(data, Mapping):
-            raise SpecError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data.get("params", data))
+        """From a profile JSON (``{"params": {...}}``) or a bare params JSON; every error is one line
+        naming the file."""
+        with naming(path):
+            data = read_json(path, "profile")
+            if not isinstance(data, Mapping):
+                raise SpecError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
+            return cls.from_dict(data.get("params", data))
+
+
+def _real(x: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past float range
+        return False
 
 
 # ---- communication ---------------------------------------------------------------------------------

@@ -1,59 +1,148 @@
-"""Online calibration: per model-stage correction of the cost model from a running job.
+"""Online calibration: corrections of the cost model learned from a running job.
 
-The analytic model is biased (efficiencies are guesses until measured). Each step the controller
-divides every observed model-stage time by what the *uncorrected* model predicts for the same
-plan and workload; the correction factor is the median of the recent ratios (robust to a noisy or
-straggling step), bounded to [lo, hi] so that one broken measurement cannot make the planner
-believe a stage is free or takes forever. The median of a sliding window converges as soon as half
-the window is from the current regime. The ratio depends on the parallel config, so every config
-actually run keeps its own factor; the model-stage's latest factor covers configs never run.
+Times. Each step the controller divides every observed model-stage time by what the *uncorrected*
+model predicts for the same plan and workload. Two models of that ratio, per model-stage:
 
-Factors feed the planner two ways: exactly per model-stage when the controller re-predicts a known
-plan, and per stage (``CostParams.stage_factor``, a time-weighted mean over the model-stages of the
-stage) for the solver, which only knows stage-level factors.
+- per config: every parallel config actually run keeps the median of its recent ratios, bounded to
+  [lo, hi] (robust to a noisy or straggling step; one broken measurement cannot make a stage free);
+- shape: a Bayesian linear model of the log-ratio over config features (``features``: log2 of tp,
+  pp, dp, micro-batch; recomputation; ZeRO-3), fitted to the per-config medians. Its intercept
+  carries a bias common to every config; its slopes say how the model's error changes along an
+  axis (e.g. "the model overrates TP8 against TP2"), which a single multiplier per model-stage can
+  never express, so the controller's *ranking* of configs it has not run can change. The slopes
+  have a zero-mean prior (``slope_prior`` per doubling): until two configs along an axis have been
+  run, an unseen config inherits the common bias, and ``sd`` tells how unsure that is.
+
+A config that was run uses its own median; one never run uses the shape model (the model-stage's
+latest factor when no features are given). Factors feed the planner two ways: exactly per config
+when the controller re-predicts a plan, and per stage (``CostParams.stage_factor``, a time-weighted
+geometric mean over the model-stages of the stage) for the solver, which only knows stage factors.
+
+Transitions: measured seconds against the planner's prediction, as ``factor x predicted + fixed``
+(the fixed part is what a layout change the bandwidth bound calls free really costs, e.g. starting
+an inference engine with a new TP).
+
+Memory: ``reserve_gib``, extra memory per GPU kept back from what the model calls usable, raised when
+the observed peak exceeds the predicted one or a step runs out of memory.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
 from nereus.planner.cost.params import STAGES, CostParams
 
 
+FIXED_MAX_S = 600.0
+"""Bound on the learned fixed cost of a layout change (one broken measurement cannot make every
+switch look like an hour)."""
+
+
+class ShapeModel:
+    """Bayesian linear regression of log(observed / predicted) on config features, centred on the
+    configs run (so a bias common to them lands in the intercept, never in a slope)."""
+
+    def __init__(self, slope_prior: float = 0.25, intercept_prior: float = 1.0, noise: float = 0.05) -> None:
+        self.slope_prior, self.intercept_prior, self.noise = slope_prior, intercept_prior, noise
+        self._fit: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def fit(self, rows: Sequence[tuple[np.ndarray, float, int]]) -> None:
+        """``rows``: (features with a leading 1, log-ratio median, observations) per config run."""
+        x = np.array([r[0] for r in rows], float)
+        y = np.array([r[1] for r in rows], float)
+        w = np.array([r[2] for r in rows], float) / self.noise**2
+        center = (w[:, None] * x).sum(axis=0) / w.sum()
+        center[0] = 0.0
+        x = x - center
+        prior = np.full(x.shape[1], 1 / self.slope_prior**2)
+        prior[0] = 1 / self.intercept_prior**2
+        a = x.T @ (w[:, None] * x) + np.diag(prior)
+        cov = np.linalg.inv(a)
+        self._fit = (cov @ (x.T @ (w * y)), cov, center)
+
+    def predict(self, feats: np.ndarray) -> tuple[float, float]:
+        """(mean, sd) of the log-ratio at ``feats``."""
+        if self._fit is None:
+            return 0.0, self.intercept_prior
+        mean, cov, center = self._fit
+        f = feats - center
+        return float(f @ mean), float(math.sqrt(max(0.0, f @ cov @ f)))
+
+
 class OnlineCalibration:
-    def __init__(self, window: int = 15, bounds: tuple[float, float] = (0.25, 4.0)) -> None:
+    def __init__(self, window: int = 15, bounds: tuple[float, float] = (0.25, 4.0), slope_prior: float = 0.25) -> None:
         self.window = window
         self.bounds = bounds
-        self._ratios: dict[str, deque[float]] = {}
+        self.slope_prior = slope_prior
+        self._ratios: dict[Hashable, deque[float]] = {}
         self._weight: dict[str, float] = {}
-        self._factor: dict[str, float] = {}
-        self.transition_ratios: deque[float] = deque(maxlen=window)
+        self._factor: dict[Hashable, float] = {}
+        self._feats: dict[tuple[str, Hashable], np.ndarray] = {}
+        self._shape: dict[str, ShapeModel] = {}
+        self._shape_dirty: set[str] = set()
+        self.transition_pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._committed: dict[str, int] = {}
+        self.reserve_gib = 0.0
 
-    def update(self, model_stage: str, observed_s: float, predicted_s: float, config: Hashable = None) -> None:
+    # ---- stage times ------------------------------------------------------------------------------
+    def update(self, model_stage: str, observed_s: float, predicted_s: float, config: Hashable = None,
+               features: Sequence[float] | None = None) -> None:
         """Add one observation (``predicted_s`` from the uncorrected model, same plan and workload).
-        ``config`` identifies the parallel config it ran under: the model's bias depends on it, so
-        each config observed keeps its own factor (the model-stage's latest factor is the fallback
-        for configs never run). Without per-config factors a controller flaps: the factor learned on
-        plan B makes plan A look better, and back."""
+        ``config`` identifies the parallel config it ran under, ``features`` its shape features
+        (``features()`` of the controller); both optional."""
         if not (observed_s > 0 and predicted_s > 0 and math.isfinite(observed_s) and math.isfinite(predicted_s)):
             return
         lo, hi = self.bounds
         for key in ((model_stage,) if config is None else (model_stage, (model_stage, config))):
             q = self._ratios.setdefault(key, deque(maxlen=self.window))
             q.append(observed_s / predicted_s)
-            self._factor[key] = min(hi, max(lo, float(np.median(q))))
+            self._factor[key] = min(hi, max(lo, statistics.median(q)))
+        if config is not None and features is not None:
+            self._feats[(model_stage, config)] = np.concatenate([[1.0], np.asarray(features, float)])
+            self._shape_dirty.add(model_stage)
         self._weight[model_stage] = predicted_s
 
-    def factor(self, model_stage: str, config: Hashable = None) -> float:
+    def _shape_model(self, model_stage: str) -> ShapeModel | None:
+        if model_stage in self._shape_dirty:
+            rows = [(f, math.log(self._factor[(ms, cfg)]), len(self._ratios[(ms, cfg)]))
+                    for (ms, cfg), f in self._feats.items() if ms == model_stage]
+            model = self._shape.setdefault(model_stage, ShapeModel(self.slope_prior))
+            model.fit(rows)
+            self._shape_dirty.discard(model_stage)
+        return self._shape.get(model_stage)
+
+    def seen(self, model_stage: str, config: Hashable) -> bool:
+        return (model_stage, config) in self._factor
+
+    def factor(self, model_stage: str, config: Hashable = None, features: Sequence[float] | None = None) -> float:
         if config is not None:
             hit = self._factor.get((model_stage, config))
             if hit is not None:
                 return hit
+            if features is not None:
+                model = self._shape_model(model_stage)
+                if model is not None:
+                    lo, hi = self.bounds
+                    return min(hi, max(lo, math.exp(model.predict(np.concatenate([[1.0], features]))[0])))
         return self._factor.get(model_stage, 1.0)
+
+    def sd(self, model_stage: str, config: Hashable, features: Sequence[float]) -> float:
+        """Uncertainty (sd of the log-factor) for ``config``: 0 once it has been run."""
+        if (model_stage, config) in self._factor:
+            return 0.0
+        model = self._shape_model(model_stage)
+        if model is None:
+            return self.slope_prior
+        return model.predict(np.concatenate([[1.0], features]))[1]
+
+    def residual(self, model_stage: str, config: Hashable) -> float:
+        """|log factor| of a config that was run (how wrong the model is there), else 0."""
+        f = self._factor.get((model_stage, config))
+        return abs(math.log(f)) if f else 0.0
 
     def factors(self) -> dict[str, float]:
         """Per model-stage (latest config) factors."""
@@ -99,14 +188,49 @@ class OnlineCalibration:
 
     # ---- transitions ----------------------------------------------------------------------------
     def update_transition(self, measured_s: float, predicted_s: float) -> None:
-        if measured_s > 0 and predicted_s > 0:
-            self.transition_ratios.append(measured_s / predicted_s)
+        if measured_s > 0 and predicted_s >= 0 and math.isfinite(measured_s):
+            self.transition_pairs.append((measured_s, predicted_s))
+
+    def transition_model(self) -> tuple[float, float]:
+        """(factor, fixed seconds): measured ~ factor x predicted + fixed. The factor is the median
+        ratio (clamped to the bounds) of transitions whose predicted cost was > 0; the fixed part
+        the median measured time of layout changes the model priced at 0 (no model state moved, e.g.
+        only the inference engine's layout), at most ``FIXED_MAX_S``."""
+        lo, hi = self.bounds
+        ratios = [m / p for m, p in self.transition_pairs if p > 0]
+        free = [m for m, p in self.transition_pairs if p <= 0]
+        k = min(hi, max(lo, float(np.median(ratios)))) if ratios else 1.0
+        fixed = min(FIXED_MAX_S, float(np.median(free))) if free else 0.0
+        return k, fixed
 
     def transition_factor(self) -> float:
-        if not self.transition_ratios:
-            return 1.0
-        lo, hi = self.bounds
-        return min(hi, max(lo, float(np.median(self.transition_ratios))))
+        return self.transition_model()[0]
+
+    def predict_transition(self, predicted_s: float) -> float:
+        k, fixed = self.transition_model()
+        return k * predicted_s + fixed
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def update_memory(self, observed_gib: float | None, predicted_gib: float | None, *, oom: bool = False,
+                      memory_gib: float = 0.0, step_gib: float = 1.0) -> bool:
+        """Raise ``reserve_gib`` when the model underestimates memory; True when it changed.
+        ``memory_gib``: what the model calls usable without the reserve. A step that ran: the reserve
+        covers observed - predicted peak. An OOM: the reserve makes the failed plan's predicted peak
+        (``predicted_gib``) exceed what is usable, so the planner stops offering it and its like."""
+        need = self.reserve_gib
+        if oom and predicted_gib is not None and memory_gib > 0:
+            if predicted_gib > memory_gib - self.reserve_gib:
+                return False  # already judged out of memory: run for want of another plan, nothing to learn
+            need = memory_gib - predicted_gib + step_gib
+        elif observed_gib is not None and predicted_gib is not None and observed_gib > predicted_gib:
+            need = max(need, observed_gib - predicted_gib)
+        need = min(math.ceil(need / step_gib) * step_gib, 0.75 * memory_gib if memory_gib else need)
+        if need > self.reserve_gib + 1e-9:
+            self.reserve_gib = need
+            return True
+        return False
 
     def to_dict(self) -> Mapping[str, object]:
-        return {"model_stage": self.factors(), "stage": self.stage_factors(), "transition": self.transition_factor()}
+        k, fixed = self.transition_model()
+        return {"model_stage": self.factors(), "stage": self.stage_factors(), "transition": k,
+                "transition_fixed_s": fixed, "reserve_gib": self.reserve_gib}

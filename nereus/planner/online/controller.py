@@ -3,23 +3,37 @@
 A training loop (verl, OpenRLHF, a custom loop; see ``adapters.py``) calls ``step(metrics)`` once per
 step with what it measured; the answer applies to the next step. Per step:
 
-1. calibrate: every model-stage's observed time / the uncorrected model's prediction for the same
-   plan and workload (``calibration.py``);
-2. forecast the response length over the horizon (``forecast.py``), within the next step's cap;
+1. calibrate (``calibration.py``): every model-stage's observed time / the uncorrected model's
+   prediction for the same plan and workload (per config, plus a shape model across configs); the
+   observed peak memory against the predicted one, and an OOM, teach a memory reserve;
+2. forecast the response length over the horizon (``forecast.py``) within the cap. The cap is what
+   the trainer says (``response_len_cap``), else the last cap it said, else the job's
+   ``sequence.response_len_max``: the observed longest response of a step is noise, never a cap change;
 3. must-switch when the current plan is predicted infeasible next step (OOM ahead, or fewer GPUs than
-   it uses): to the feasible candidate with the lowest transition cost + predicted time over the horizon;
+   it uses), or a step ran out of memory: to the feasible candidate with the lowest transition cost
+   + predicted time over the horizon (a baseline whose pools no longer fit re-picks its pools);
 4. may-switch when the predicted saving summed over the horizon exceeds the transition cost by the
    margin, the same candidate has won ``patience`` steps in a row, and at least ``min_dwell`` steps
    passed since the last switch (hysteresis against flapping on noise);
-5. log every decision with its numbers (``audit.py``).
+5. probe (``explore``, adaptive mode): when the model is visibly wrong on the current config of a
+   model-stage and a plausible candidate changes that stage to a config never run, run it once if
+   its optimistic time (shape model at mean - kappa sd) would repay a round trip: the only way to
+   learn that the model's *ranking* of configs is wrong (at most ``max_probes`` per GPU count);
+6. log every decision with its numbers (``audit.py``).
 
-Candidates come from the plan solver (brief A) for the forecast workload, cached by workload bucket
-(log-spaced response-length buckets, GPU count, cap, quantized calibration): a step whose bucket is
-cached does not re-solve and costs about a millisecond; a re-solve is warm-started from the current
-plan. Transition-aware choice: besides the fastest plan, the solver is asked for the best plan with
-the current plan's pools and TP/PP kept (cheap to reach: only DP-internal knobs change), and every
-candidate is scored by saving x horizon - transition cost, so a slightly slower plan that is much
-cheaper to reach can win.
+Memory: a plan that ran is judged by its own measured underestimate (and a plan that ran at the
+forecast cap and length is feasible, whatever the model says); a plan never run by the reserve
+calibration learned; a plan that ran out of memory is out.
+
+Candidates come from the plan solver for the forecast workload, cached by workload bucket
+(log-spaced response-length buckets, GPU count, cap, quantized calibration, the memory reserve on a
+4 GiB grid): a step whose bucket is cached does not re-solve and costs a few milliseconds; a re-solve
+is warm-started from the current plan. Besides the fastest plan, the solver is asked for the best
+plan with the current plan's pools and TP/PP kept (cheap to reach: only DP-internal knobs change),
+and the fastest plan comes with its other generation TPs (scored with the learned corrections,
+which the solver's stage-level factors cannot express). Every candidate is scored by saving x
+horizon - transition cost, so a slightly slower plan that is much cheaper to reach can win; the
+transition planner is asked only about the few fastest candidates.
 """
 from __future__ import annotations
 
@@ -29,6 +43,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from nereus.errors import NereusError
+from nereus.models.inventory import check_tp
+from nereus.models.spec import ModelSpec
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.calibration import OnlineCalibration
 from nereus.planner.online.types import Decision, StepMetrics
@@ -65,10 +81,12 @@ class Controller:
                  initial_gpus: int | None = None, initial_workload: Workload | None = None,
                  total_steps: int | None = None, patience: int = 2, min_dwell: int = 5, mode: str = "adaptive",
                  rule: LayoutRule = FREE, bucket_ratio: float = 1.04, solve_bucket_ratio: float = 1.25,
-                 calib_resolution: float = 0.10, library_size: int = 12, min_gain: float = 0.01,
+                 calib_resolution: float = 0.25, library_size: int = 16, min_gain: float = 0.01,
                  forecast_window: int = 60, time_limit_s: float = 5.0, seed: int = 0,
                  build_transition: bool = True, transition_cost_fn: Callable[[Plan, Plan], float] | None = None,
-                 plans: PlanCache | None = None, audit: AuditLog | None = None) -> None:
+                 plans: PlanCache | None = None, audit: AuditLog | None = None, explore: bool = True,
+                 max_probes: int = 1, probe_threshold: float = 0.10, probe_window: float = 0.10,
+                 probe_kappa: float = 1.0, cost_queries: int = 3) -> None:
         if mode not in MODES:
             raise NereusError(f"controller: mode must be one of {MODES}, got {mode!r}")
         self.job, self.cluster = job, cluster
@@ -79,6 +97,12 @@ class Controller:
         self.solve_bucket_ratio, self.library_size = solve_bucket_ratio, library_size
         self.min_gain = min_gain
         """Savings below this fraction of the step time are treated as model noise (no switch)."""
+        self.explore, self.max_probes, self.probe_threshold = explore and mode == "adaptive", max_probes, probe_threshold
+        self.probe_window, self.probe_kappa = probe_window, probe_kappa
+        self._probes_left = max_probes
+        self._on_plan = 0
+        self.cost_queries = cost_queries
+        """Candidates (the fastest over the horizon) whose transition cost is asked each step."""
         self._library: dict[tuple, tuple[Plan, str]] = {}
         self.build_transition = build_transition
         self._transition_cost_fn = transition_cost_fn
@@ -90,11 +114,17 @@ class Controller:
         self._prev_gpus = self.gpus
         self._cur_horizon_s = math.inf
         self._base_w = job.workload()
+        self._cap = int(job.sequence.response_len_max)
         self._eval: dict[tuple, PlanTimes] = {}
         self._cost: dict[tuple, float] = {}
         self._streak: tuple[tuple, int] = ((), 0)
         self._last_switch = -10**9
-        self._last_cost_pred = 0.0
+        self._last_cost_raw = 0.0
+        self._reserve = 0.0
+        self._plan_reserve: dict[tuple, float] = {}
+        self._keys: dict[int, tuple] = {}
+        self._ran_ok: dict[tuple, tuple[int, float]] = {}
+        """Per plan run without OOM: (cap, largest mean response length) it ran at."""
         self._h = 1
         if initial_plan is None:
             w0 = initial_workload or self._base_w
@@ -112,8 +142,8 @@ class Controller:
         solves0 = self.plans.solves
         w_obs = self._observed_workload(m)
         self._calibrate(m, w_obs)
-        cap = int(m.response_len_cap or m.response_len_max)
-        self.forecaster.observe(m.step, m.response_len_mean, int(m.response_len_max), m.response_len_p90)
+        cap = self._next_cap(m)
+        self.forecaster.observe(m.step, m.response_len_mean, cap, m.response_len_p90)
         self.gpus = int(m.gpus_available or self.gpus)
         offsets = self._offsets(m.step)
         self._h = offsets[-1]
@@ -124,6 +154,8 @@ class Controller:
         self._cur_horizon_s = cur.horizon_s
         regime_change = self.gpus != self._prev_gpus
         self._prev_gpus = self.gpus
+        if regime_change:
+            self._probes_left = self.max_probes
         must = self._must_reason(m, cur)
         cands = self._candidates(ws, offsets, bool(must))
         d = self._decide(m, cur, cands, must, regime_change)
@@ -132,13 +164,25 @@ class Controller:
         return d
 
     def report_transition(self, measured_s: float) -> None:
-        """The caller applied the last switch; its measured time calibrates future cost predictions."""
-        self.calibration.update_transition(measured_s, self._last_cost_pred)
+        """The caller applied the last switch; its measured time calibrates future cost predictions
+        (``OnlineCalibration.transition_model``: a factor on the planner's estimate + a fixed part)."""
+        self.calibration.update_transition(measured_s, self._last_cost_raw)
 
     def close(self) -> None:
         self.audit.close()
 
     # ---- calibration and forecast ----------------------------------------------------------------
+    def _next_cap(self, m: StepMetrics) -> int:
+        """The response cap of the next step. The observed longest response is an outcome (noisy,
+        at most the cap), never read as a cap change: the cap is what the trainer says
+        (``response_len_cap``), else the last cap it said, else the job's; an observed response
+        longer than that (a job spec older than the trainer's setting) raises it to that length."""
+        if m.response_len_cap:
+            self._cap = int(m.response_len_cap)
+        elif int(m.response_len_max) > self._cap:
+            self._cap = int(m.response_len_max)
+        return self._cap
+
     def _observed_workload(self, m: StepMetrics) -> Workload:
         b = self._base_w
         mx = max(int(m.response_len_max), int(math.ceil(m.response_len_mean)))
@@ -146,13 +190,71 @@ class Controller:
         return replace(b, prompt_len=int(m.prompt_len or b.prompt_len), response_len_mean=float(m.response_len_mean),
                        response_len_max=mx, response_len_p90=p90)
 
+    def _pkey(self, plan: Plan) -> tuple:
+        """``plan_key`` memoised per plan object (plans are frozen; the controller asks often)."""
+        hit = self._keys.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            if len(self._keys) > 4096:
+                self._keys.clear()
+            hit = self._keys[id(plan)] = (plan, plan_key(plan),
+                                          tuple((s.name, _stage_key(s), features(s)) for s in plan.stages))
+        return hit[1]
+
+    def _stage_info(self, plan: Plan) -> tuple:
+        self._pkey(plan)
+        return self._keys[id(plan)][2]
+
+    def _reserve_for(self, plan: Plan) -> float:
+        """Memory held back when judging ``plan``: its own measured underestimate once it has run
+        (a plan that ran out of memory keeps all of it), else the reserve calibration learned."""
+        return self._plan_reserve.get(self._pkey(plan), self._reserve)
+
+    def _times(self, plan: Plan, w: Workload) -> PlanTimes:
+        """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
+        reserve (cached per plan, workload and reserve)."""
+        r = self._reserve_for(plan)
+        key = (self._pkey(plan), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, r)
+        t = self._eval.get(key)
+        if t is None:
+            if len(self._eval) > 20000:
+                self._eval.clear()
+            cluster = self.plans.cluster_for(self.cluster.num_gpus, r)
+            t = self._eval[key] = evaluate_times(self.job, cluster, plan, w, self.base_params)
+        return t
+
     def _calibrate(self, m: StepMetrics, w: Workload) -> None:
+        # the observed lengths on the forecast's bucket grid (within bucket_ratio / 2, below the
+        # step-to-step sampling noise): noisy steps then share one model evaluation
+        mean = self._bucket(w.response_len_mean)
+        mx = max(int(self._bucket(w.response_len_max)), math.ceil(mean))
+        w = replace(w, response_len_mean=mean, response_len_max=mx,
+                    response_len_p90=None if w.response_len_p90 is None else min(self._bucket(w.response_len_p90), mx))
+        pred = self._times(self.plan, w)
+        peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
+        usable = self.cluster.gpu.usable_bytes / GiB
+        key = plan_key(self.plan)
+        if m.oom:
+            stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
+            peak = pred.peak_mem_gib[stage] if stage else max(pred.peak_mem_gib.values())
+            self.calibration.update_memory(None, peak, oom=True, memory_gib=usable)
+            self._plan_reserve[key] = usable  # this plan is out
+        elif m.peak_mem_gib is not None and peaks:
+            self.calibration.update_memory(float(m.peak_mem_gib), max(peaks.values()), memory_gib=usable)
+            under = math.ceil(max(0.0, float(m.peak_mem_gib) - max(peaks.values())))
+            self._plan_reserve[key] = max(self._plan_reserve.get(key, 0.0), float(under))
+        if not m.oom and m.stage_times:  # evidence: this plan ran at this cap and mean length
+            cap_mean = self._ran_ok.get(key)
+            if cap_mean is None or cap_mean[0] != self._cap:
+                cap_mean = (self._cap, 0.0)
+            self._ran_ok[key] = (self._cap, max(cap_mean[1], float(m.response_len_mean)))
+        self._reserve = self.calibration.reserve_gib
         if not m.stage_times or m.oom:
             return
-        pred = evaluate_times(self.job, self.cluster, self.plan, w, self.base_params)
+        self._on_plan += 1
         for ms, obs in m.stage_times.items():
             if ms in pred.stage_s:
-                self.calibration.update(ms, float(obs), pred.stage_s[ms], _stage_key(self.plan.stage(ms)))
+                s = self.plan.stage(ms)
+                self.calibration.update(ms, float(obs), pred.stage_s[ms], _stage_key(s), features(s))
 
     def _offsets(self, step: int) -> tuple[int, ...]:
         h = self.horizon
@@ -174,18 +276,27 @@ class Controller:
     # ---- prediction ------------------------------------------------------------------------------
     def predict(self, plan: Plan, w: Workload) -> tuple[float, bool]:
         """Calibrated step time and feasibility of ``plan`` on ``w`` (cached per plan and workload)."""
-        key = (plan_key(plan), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90)
-        t = self._eval.get(key)
-        if t is None:
-            if len(self._eval) > 20000:
-                self._eval.clear()
-            t = self._eval[key] = evaluate_times(self.job, self.cluster, plan, w, self.base_params)
-        if not t.feasible:
+        t = self._times(plan, w)
+        if not t.feasible and not (self._proven(plan, w) and all(map(math.isfinite, t.stage_s.values()))):
             return math.inf, False
-        f = self.calibration.factor
-        keys = {s.name: _stage_key(s) for s in plan.stages}
-        return compose_step(self.job, plan, {ms: s * f(ms, keys[ms]) for ms, s in t.stage_s.items()},
-                            t.weight_sync_s), True
+        return compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s), True
+
+    def _proven(self, plan: Plan, w: Workload, slack: float = 0.05) -> bool:
+        """Measurement beats the memory model: ``plan`` already ran without OOM at ``w``'s cap and a
+        mean length within ``slack`` of ``w``'s."""
+        ev = self._ran_ok.get(self._pkey(plan))
+        return ev is not None and ev[0] == w.response_len_max and w.response_len_mean <= ev[1] * (1 + slack)
+
+    def _corrected(self, plan: Plan, stage_s, kappa: float = 0.0) -> dict[str, float]:
+        """Stage times x the learned factors (``kappa`` > 0: optimistic by kappa sd where the
+        config was never run)."""
+        cal, out = self.calibration, {}
+        for name, key, feats in self._stage_info(plan):
+            f = cal.factor(name, key, feats)
+            if kappa:
+                f *= math.exp(-kappa * cal.sd(name, key, feats))
+            out[name] = stage_s[name] * f
+        return out
 
     def _score(self, c: _Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
         """Predicted seconds over the horizon (trapezoid over the forecast points)."""
@@ -207,14 +318,9 @@ class Controller:
         key = (a.layout_key(), b.layout_key())
         c = self._cost.get(key)
         if c is None:
-            if self._transition_cost_fn is not None:
-                c = self._transition_cost_fn(a, b)
-            else:
-                from nereus.planner.transition.build import transition_cost
-
-                c = transition_cost(a, b, self.plans.cluster_for(max(a.num_gpus, b.num_gpus)), self.job)
-            self._cost[key] = c = float(c)
-        return c * self.calibration.transition_factor()
+            c = self._cost[key] = float(self._transition_cost_fn(a, b) if self._transition_cost_fn is not None
+                                        else self.plans.transition_cost(a, b))
+        return self.calibration.predict_transition(c)
 
     def _must_reason(self, m: StepMetrics, cur: _Candidate) -> str:
         if m.oom:
@@ -230,20 +336,38 @@ class Controller:
         """``w`` on the coarse grid the solver is asked on (plans are cached per grid cell)."""
         r = math.log(self.solve_bucket_ratio)
         mean = min(round(math.exp(round(math.log(w.response_len_mean) / r) * r), 1), 0.98 * w.response_len_max)
-        ratio = round(w.p90 / w.response_len_mean, 1)  # coarse tail shape, so the cache key is stable
+        ratio = round(4 * w.p90 / w.response_len_mean) / 4  # coarse tail shape, so the cache key is stable
         return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), ratio * mean), 1))
 
     def _ask(self, origin: str, rule: LayoutRule, w: Workload) -> None:
-        params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
+        if rule.anchor is not None or rule.placement == "colocated":
+            # pools fixed: the solver only picks knobs inside each stage, which per-stage factors do
+            # not reorder; asking with the base parameters lets calibration move without re-solves
+            params, ckey = self.base_params, ()
+        else:
+            params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
         try:
-            p = self.plans.best(rule, self._solver_workload(w), self.gpus, params, ckey, hint=self.plan)
+            # the solver plans with the memory reserve on a 4 GiB grid (rounded up): a reserve that
+            # creeps up by a GiB does not re-solve everything
+            reserve = 4.0 * math.ceil(self._reserve / 4.0)
+            p = self.plans.best(rule, self._solver_workload(w), self.gpus, params, ckey, hint=self.plan,
+                                reserve_gib=reserve)
         except NereusError:
             p = None
         if p is not None:
-            self._library.pop(plan_key(p), None)
-            self._library[plan_key(p)] = (p, origin)
-            while len(self._library) > self.library_size:
-                self._library.pop(next(iter(self._library)))
+            self._add(p, origin)
+            if rule.name == "free" and self.explore and origin in ("best-horizon", "best-next"):
+                # the same plan with the other generation TPs: the solver ranks them with stage-level
+                # factors only, the controller with the per-config and shape corrections it learned
+                for q in gen_tp_variants(p, self.job.model("actor"), self.cluster.gpus_per_node):
+                    if plan_key(q) not in self._library:
+                        self._add(q, "gen-tp")
+
+    def _add(self, p: Plan, origin: str) -> None:
+        self._library.pop(plan_key(p), None)
+        self._library[plan_key(p)] = (p, origin)
+        while len(self._library) > self.library_size:
+            self._library.pop(next(iter(self._library)))
 
     def _candidates(self, ws: list[Workload], offsets: tuple[int, ...], must: bool) -> list[_Candidate]:
         """Plans from the solver for the forecast (the fastest under the rule, and the fastest
@@ -263,18 +387,75 @@ class Controller:
             # plans for fewer GPUs than granted stay in the library but are only scored when forced
             if key == cur or p.num_gpus > self.gpus or (p.num_gpus < self.gpus and not must):
                 continue
-            c = _Candidate(p, origin)
+            c = _Candidate(p, origin, cost_s=math.inf)
             self._score(c, ws, offsets)
-            # the transition planner is only asked about candidates that could pay for themselves
-            c.cost_s = self.transition_cost(self.plan, p) if (must or self.mode == "always" or c.horizon_s < cur_s) else math.inf
             out.append(c)
+        # the transition planner is only asked about the few fastest candidates that could pay for
+        # themselves (a bound per layout pair is tenths of a second at 1,024 GPUs)
+        could = sorted((c for c in out if c.feasible_next and (must or self.mode == "always" or c.horizon_s < cur_s)),
+                       key=lambda c: c.horizon_s)
+        for c in could[:self.cost_queries]:
+            c.cost_s = self.transition_cost(self.plan, c.plan)
         if must and not any(c.feasible_next for c in out):
             self._ask("best-next", self.rule, ws[0])
+            if self.rule.anchor is not None:
+                # the pools a baseline keeps no longer fit: a user relaunches with new ones (same TP/PP rule)
+                self._ask("re-pool", replace(self.rule, anchor=None), ws[0])
             return self._candidates(ws, offsets, False) if self._library else out
         return out
 
     def _decide(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate], must: str,
                 regime_change: bool) -> Decision:
+        d = self._admit(m, cur, cands, must, regime_change)
+        # no probe while a switch is pending behind hysteresis, or within min_dwell of the last switch
+        if (d.action == "stay" and not must and self.explore and not d.reason.startswith("worth it")
+                and m.step - self._last_switch >= self.min_dwell):
+            probe = self._probe(m, cur, cands)
+            if probe is not None:
+                c, why = probe
+                d = self._switch(m, cur, c, "", why)
+                self._probes_left -= 1
+                self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
+        return d
+
+    def _probe(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate]) -> tuple[_Candidate, str] | None:
+        """Exploration: run a plan once to measure a config the model cannot be trusted on.
+
+        Only when probes are left in this GPU regime, the current plan ran at least 2 steps, and the
+        model is visibly wrong (|log(observed/predicted)| >= probe_threshold) on the current config
+        of a model-stage the candidate changes to a config never run. The candidate must look
+        plausible (mean prediction within probe_window of the current horizon time) and its
+        optimistic time (factors at mean - probe_kappa sd of the shape model) must save more than a
+        round trip of transitions x (1 + margin) and min_gain."""
+        if self._probes_left <= 0 or self._on_plan < 2 or not math.isfinite(cur.horizon_s):
+            return None
+        cal, best, best_gain = self.calibration, None, 0.0
+        for c in cands:
+            if not c.feasible_next or c.horizon_s > (1 + self.probe_window) * cur.horizon_s:
+                continue
+            changed = [s for s in c.plan.stages if _stage_key(s) != _stage_key(self.plan.stage(s.name))]
+            if not any(not cal.seen(s.name, _stage_key(s))
+                       and cal.residual(s.name, _stage_key(self.plan.stage(s.name))) >= self.probe_threshold
+                       for s in changed):
+                continue
+            t = self._times(c.plan, self._ws0)
+            mean_s = self.predict(c.plan, self._ws0)[0]
+            if not math.isfinite(mean_s):
+                continue
+            opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
+            gain = cur.horizon_s - c.horizon_s * opt_s / mean_s
+            cost = c.cost_s if math.isfinite(c.cost_s) else self.transition_cost(self.plan, c.plan)
+            if gain > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain > best_gain:
+                c.cost_s = cost
+                best, best_gain = c, gain
+        if best is None:
+            return None
+        return best, (f"probe: the model is off by >= {self.probe_threshold:.0%} on the current config; measured, "
+                      f"this plan could save up to {best_gain:.1f}s over the horizon (optimistic), "
+                      f"> 2 x {best.cost_s:.1f}s x (1 + {self.margin:g})")
+
+    def _admit(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate], must: str,
+               regime_change: bool) -> Decision:
         """Admission (see the module docstring). A GPU-count change is a new regime: hysteresis
         (patience, dwell) guards against noise, not against a cluster that just grew."""
         feasible = [c for c in cands if c.feasible_next]
@@ -291,6 +472,9 @@ class Controller:
         if not feasible:
             return self._stay(cur, None, "", "no alternative plan")
         best = min(feasible, key=lambda c: c.net_s)
+        if not math.isfinite(best.net_s):  # every alternative fails later in the horizon, or its cost is unknown
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", "no alternative is feasible over the whole horizon at a known cost")
         saving = cur.horizon_s - best.horizon_s
         if saving <= 0:
             self._streak = ((), 0)
@@ -345,7 +529,11 @@ class Controller:
                      reason=f"{reason} [{best.origin}]", must=bool(must))
         if best.cost_s > 0:
             self._last_switch = m.step
-            self._last_cost_pred = best.cost_s
+        self._last_cost_raw = self._cost.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
+        if best.plan.layout_key() != self.plan.layout_key():
+            self._on_plan = 0
+        if best.origin == "re-pool":
+            self.rule = replace(self.rule, anchor=best.plan)
         self._streak = ((), 0)
         self.plan = best.plan
         return d
@@ -367,7 +555,33 @@ class Controller:
 def _stage_key(s: StagePlacement) -> tuple:
     """What a model-stage's calibration factor is specific to: its config and pool size."""
     c = s.config
-    return (c.tp, c.pp, c.dp, c.micro_batch, c.zero, c.recompute, s.gpus)
+    return (c.tp, c.pp, c.dp, c.micro_batch, c.zero, c.recompute, getattr(c, "sp", 1), getattr(c, "token_budget", 0),
+            s.gpus)
+
+
+def features(s: StagePlacement) -> tuple[float, ...]:
+    """Shape features of a model-stage's config for the calibration's shape model: log2 of tp,
+    pp, dp and the micro-batch (tokens / 4,096 under a token budget), recomputation, ZeRO-3."""
+    c = s.config
+    budget = getattr(c, "token_budget", 0)
+    mb = budget / 4096 if budget else c.micro_batch
+    return (math.log2(c.tp), math.log2(c.pp), math.log2(c.dp), math.log2(max(mb, 1e-3)), float(c.recompute),
+            float(c.zero >= 3))
+
+
+def gen_tp_variants(plan: Plan, model: ModelSpec, gpus_per_node: int, tps: tuple[int, ...] = (1, 2, 4, 8)) -> list[Plan]:
+    """``plan`` with each other generation TP that splits ``model`` and divides its pool (DP adjusted)."""
+    gen = plan.stage("actor/generation")
+    c, out = gen.config, []
+    for tp in tps:
+        try:
+            check_tp(model, tp)
+        except NereusError:
+            continue
+        if tp != c.tp and tp <= gpus_per_node and gen.gpus % (tp * c.pp) == 0:
+            g = replace(gen, config=replace(c, tp=tp, dp=gen.gpus // (tp * c.pp)))
+            out.append(replace(plan, stages=tuple(g if s.name == gen.name else s for s in plan.stages)))
+    return out
 
 
 def _layout(p: Plan) -> str:

@@ -39,6 +39,7 @@ class LengthForecaster:
         self._p90_ratio: deque[float] = deque(maxlen=window)
         self._cap: int | None = None
         self._slope: float | None = None
+        self._level: float | None = None
 
     def observe(self, step: int, mean: float, cap: int, p90: float | None = None) -> None:
         if self._cap is not None and cap != self._cap:
@@ -48,7 +49,7 @@ class LengthForecaster:
         self._means.append(float(mean))
         if p90 is not None and mean > 0:
             self._p90_ratio.append(float(p90) / float(mean))
-        self._slope = None
+        self._slope = self._level = None
 
     def reset(self, keep: int = 0) -> None:
         """Forget all but the last ``keep`` observations (regime change)."""
@@ -56,7 +57,7 @@ class LengthForecaster:
             tail = list(q)[-keep:] if keep else []
             q.clear()
             q.extend(tail)
-        self._slope = None
+        self._slope = self._level = None
 
     @property
     def observations(self) -> int:
@@ -83,20 +84,25 @@ class LengthForecaster:
         return max(-bound, min(bound, s))
 
     def level(self) -> float:
-        """Trend value at the last observed step (median of detrended points)."""
-        n = len(self._means)
-        if n == 0:
-            raise ValueError("no observations yet")
-        x = np.fromiter(self._steps, float, n)
-        y = np.fromiter(self._means, float, n)
-        s = self.slope()
-        return float(np.median(y - s * (x - x[-1])))
+        """Trend value at the last observed step (median of detrended points; cached until the
+        next observation)."""
+        if self._level is None:
+            n = len(self._means)
+            if n == 0:
+                raise ValueError("no observations yet")
+            x = np.fromiter(self._steps, float, n)
+            y = np.fromiter(self._means, float, n)
+            self._level = float(np.median(y - self.slope() * (x - x[-1])))
+        return self._level
 
     def forecast(self, ahead: int, cap: int | None = None) -> LengthForecast:
         """Mean and p90 response length ``ahead`` steps after the last observation, within ``cap``
         (the next step's cap when the trainer knows it; default: the last cap seen)."""
         cap = int(cap if cap is not None else self._cap or 1)
-        mean = min(max(1.0, self.level() + self.slope() * ahead), 0.98 * cap)
+        level = self.level()
+        # a noisy downward slope extrapolated over a long horizon would forecast responses of a few
+        # tokens: a forecast never falls below half the current level
+        mean = min(max(1.0, 0.5 * level, level + self.slope() * ahead), 0.98 * cap)
         ratio = float(np.median(self._p90_ratio)) if self._p90_ratio else DEFAULT_P90_OVER_MEAN
         p90 = min(float(cap), max(mean, ratio * mean))
         return LengthForecast(ahead=ahead, response_len_mean=mean, response_len_p90=p90, response_len_max=cap,

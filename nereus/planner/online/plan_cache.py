@@ -38,7 +38,10 @@ def scale_plan(plan: Plan, gpus: int) -> Plan | None:
         tp_pp = s.config.tp * s.config.pp
         if size % tp_pp:
             return None
-        stages.append(replace(s, first_gpu=first, gpus=size, config=replace(s.config, dp=size // tp_pp)))
+        try:  # e.g. a sequence-parallel degree that no longer divides the scaled DP
+            stages.append(replace(s, first_gpu=first, gpus=size, config=replace(s.config, dp=size // tp_pp)))
+        except SpecError:
+            return None
     try:
         return replace(plan, stages=tuple(stages))
     except SpecError:
@@ -97,32 +100,52 @@ class PlanCache:
         self.time_limit_s, self.seed, self.backend = time_limit_s, seed, backend
         self._solve_fn = solve_fn
         self._plans: dict[tuple, Plan | None] = {}
+        self._costs: dict[tuple, float] = {}
         self.solves = 0
         self.solve_s = 0.0
         self.last_message = ""
         self.log: list[tuple[str, int, float, float]] = []
         """(rule, gpus, mean response length, seconds) of every solve, for diagnostics."""
 
-    def cluster_for(self, gpus: int) -> ClusterSpec:
-        return self.cluster if gpus == self.cluster.num_gpus else self.cluster.with_gpus(gpus)
+    def transition_cost(self, a: Plan, b: Plan) -> float:
+        """The transition planner's bandwidth bound for a -> b, cached here so that every
+        controller sharing this cache asks once per layout pair."""
+        key = (a.layout_key(), b.layout_key())
+        hit = self._costs.get(key)
+        if hit is None:
+            from nereus.planner.transition.build import transition_cost
+
+            hit = self._costs[key] = float(transition_cost(a, b, self.cluster_for(max(a.num_gpus, b.num_gpus)), self.job))
+        return hit
+
+    def cluster_for(self, gpus: int, reserve_gib: float = 0.0) -> ClusterSpec:
+        """The cluster resized to ``gpus`` GPUs, with ``reserve_gib`` more memory per GPU held back
+        (a memory margin the online calibration learned)."""
+        c = self.cluster if gpus == self.cluster.num_gpus else self.cluster.with_gpus(gpus)
+        if reserve_gib > 0:  # never all of it: a GPU spec needs some memory left
+            held = min(c.gpu.reserved_gib + reserve_gib, 0.99 * c.gpu.memory_gib)
+            c = replace(c, gpu=replace(c.gpu, reserved_gib=held))
+        return c
 
     def best(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, calib_key: tuple = (),
-             hint: Plan | None = None) -> Plan | None:
+             hint: Plan | None = None, reserve_gib: float = 0.0) -> Plan | None:
         """Fastest plan under ``rule`` for ``w`` on ``gpus`` GPUs (None when infeasible), cached."""
-        key = (rule.key(), gpus, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, calib_key)
+        key = (rule.key(), gpus, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, calib_key,
+               reserve_gib)
         if key in self._plans:
             return self._plans[key]
-        plan = self._solve(rule, w, gpus, params, hint)
+        plan = self._solve(rule, w, gpus, params, hint, reserve_gib)
         self._plans[key] = plan
         return plan
 
-    def _solve(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, hint: Plan | None) -> Plan | None:
+    def _solve(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, hint: Plan | None,
+               reserve_gib: float = 0.0) -> Plan | None:
         from nereus.planner.solver import PlanProblem, solve
 
         t0 = time.perf_counter()
         self.solves += 1
         try:
-            problem = PlanProblem(job=self.job, cluster=self.cluster_for(gpus), workload=w, params=params,
+            problem = PlanProblem(job=self.job, cluster=self.cluster_for(gpus, reserve_gib), workload=w, params=params,
                                   current_plan=hint if hint is not None and hint.num_gpus <= gpus else None,
                                   constraints=rule.constraints(gpus),
                                   **({"candidates": self.candidates} if self.candidates is not None else {}))

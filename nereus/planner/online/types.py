@@ -17,7 +17,7 @@ class StepMetrics:
     step: int
     response_len_mean: float
     response_len_max: int
-    """Longest response allowed this step (the cap; the longest observed when no cap is known)."""
+    """Longest response observed this step (verl's ``response_length/max``: noisy, at most the cap)."""
     response_len_p90: float | None = None
     prompt_len: int | None = None
     stage_times: Mapping[str, float] = field(default_factory=dict)
@@ -26,9 +26,12 @@ class StepMetrics:
     gpus_available: int | None = None
     """GPUs the job may use from the next step on (default: unchanged)."""
     response_len_cap: int | None = None
-    """The next step's response cap when the trainer changes it (default: ``response_len_max``)."""
+    """The trainer's response cap for the next step (default: the last cap given, else the job's
+    ``sequence.response_len_max``, raised if a longer response is ever observed)."""
     oom: bool = False
     """The step failed with out-of-memory on the current plan."""
+    oom_stage: str | None = None
+    """The model-stage that ran out of memory, when known (a crash's traceback names it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -83,11 +83,21 @@ def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, wo
         bound, gap = min(bound, obj) if math.isfinite(bound) else obj, 0.0
     else:
         gap = max(0.0, (obj - bound) / obj) if math.isfinite(bound) and obj > 0 else math.nan
-    sk = placement_skeleton(problem, t)
-    firsts = sk.slot_first if sk is not None and sk.slot_first is not None else None
+    firsts = _pinned_firsts(placement_skeleton(problem, t), a)
     wall = time.perf_counter() - t0
     plan = to_plan(t, a, problem.cluster, status=status, solve_s=wall, gap=gap, backend=backend, firsts=firsts)
     return PlanSolution(status=status, objective=obj, bound=bound, gap=gap, plan=plan, wall_s=wall, backend=backend)
+
+
+def _pinned_firsts(sk, a) -> tuple[int, ...] | None:
+    """First GPU of each of ``a``'s slots where a fixed placement pins them. The MILP numbers its
+    slots canonically (by lowest unit), the skeleton by pool size, so each slot is matched through
+    one of its units: e.g. pools [0, +8), [0, +4) (critic), [4, +4) (actor) are slots 0, 1, 2 of
+    the skeleton but 0, 2, 1 of the MILP when the actor is the lower unit."""
+    if sk is None or sk.slot_first is None:
+        return None
+    unit_first = [sk.slot_first[k] for k in sk.unit_slot]
+    return tuple(next(unit_first[u] for u, k in enumerate(a.unit_slot) if k == slot) for slot in range(len(a.slot_size)))
 
 
 def solve(problem: PlanProblem, backend: str = "cpsat", time_limit_s: float = 10.0, workers: int = 1,

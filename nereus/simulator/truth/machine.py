@@ -1,0 +1,328 @@
+"""``GroundTruth``: what a step of a plan "really" takes in the simulation (SIMULATED).
+
+Per step: the response lengths are sampled (``lengths.py``); generation runs them through the
+engines (``engine.py``); inference and training run them through micro-batches and pipelines
+(``pipeline.py``); stage times compose like the job's dataflow (phases in sequence; inside a phase,
+model-stages sharing GPUs one after another, disjoint GPUs in parallel: pools may nest, so this is
+counted per GPU range), plus the actor's weight sync
+and, when the engine shares its GPUs, its wake-up and sleep (``network.py``). Each model-stage's
+time gets a small seeded jitter (the same factor for every plan at a step: policies are compared on
+common random numbers). A model-stage whose sampled batch does not fit in memory is an OOM: the step
+fails after the phases before it and half of that stage.
+
+Evaluation is vectorised over blocks of ``block`` steps and cached per (model-stage config, block),
+so policies that run the same configuration share the work and the offline policies can score
+whole candidate plans over the trace at once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from nereus.errors import SpecError
+from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
+from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec
+from nereus.simulator.truth import network
+from nereus.simulator.truth.corpus import tables
+from nereus.simulator.truth.engine import generation_times
+from nereus.simulator.truth.kernels import decode_coeffs, prefill_s
+from nereus.simulator.truth.lengths import LengthSampler
+from nereus.simulator.truth.memory import (ENGINE_MEMORY_UTILIZATION, GiB, capacity_bytes, kv_budget_tokens,
+                                           params_per_gpu, state_bytes)
+from nereus.simulator.truth.pipeline import StageSpec, stage_times
+
+Tasks = Iterable[tuple[int, int, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One step as the job experiences it (what a training loop logs)."""
+
+    stage_s: Mapping[str, float]
+    step_s: float
+    """inf when the step failed (OOM)."""
+    feasible: bool
+    peak_mem_gib: float
+    response_len_mean: float
+    response_len_max: int
+    response_len_p90: float
+    violations: tuple[str, ...] = field(default=())
+    oom_stage: str | None = None
+    lost_s: float = 0.0
+    """Seconds burnt before a failure (0 when the step ran)."""
+
+
+def plan_key(plan: Plan) -> tuple:
+    return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
+                  s.config.zero, s.config.recompute, getattr(s.config, "sp", 1), getattr(s.config, "token_budget", 0))
+                 for s in plan.stages)
+
+
+class GroundTruth:
+    """The simulated machine for one job, cluster and trace (see the module docstring).
+
+    ``trace`` needs ``rows`` with ``response_len_mean``, ``response_len_max``, optional
+    ``response_len_cap`` (the trainer's limit; when absent the max is the cap),
+    ``response_len_p90`` and ``prompt_len_mean``. ``schedule_fn(a, b)`` returns the transition
+    planner's transfers (src GPU, dst GPU, bytes) in its order; transitions cannot be priced without it.
+    """
+
+    def __init__(self, job: JobSpec, cluster: ClusterSpec, trace, *, seed: int = 0, jitter: float = 0.02,
+                 schedule_fn: Callable[[Plan, Plan], Tasks] | None = None, block: int = 64) -> None:
+        self.job, self.cluster, self.seed, self.jitter, self.block = job, cluster, seed, jitter, block
+        self.tab = tables(cluster.gpu)
+        self.links = network.Links.of(cluster, self.tab)
+        self.schedule_fn = schedule_fn
+        rows = trace.rows
+        base = job.sequence
+        self.n_steps = len(rows)
+        self.mean = np.array([r.response_len_mean for r in rows], float)
+        self.cap = np.array([(getattr(r, "response_len_cap", None) or r.response_len_max) for r in rows], float)
+        self.p90 = np.array([np.nan if r.response_len_p90 is None else r.response_len_p90 for r in rows], float)
+        self.prompt = np.array([base.prompt_len if r.prompt_len_mean is None else max(1, round(r.prompt_len_mean))
+                                for r in rows], float)
+        self.sampler = LengthSampler(job.batch.prompts, job.batch.samples_per_prompt, seed)
+        self.stages = job.model_stages()
+        rollout = getattr(job, "rollout", None)
+        self.engine_util = getattr(rollout, "gpu_memory_utilization", None) or ENGINE_MEMORY_UTILIZATION
+        self.max_seqs = int(getattr(rollout, "max_num_seqs", 256))
+        self.engine_sleeps = bool(getattr(rollout, "sleep", True))
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._stage: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._coeffs: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._plans: dict[tuple, dict] = {}
+        self._trans: dict[tuple, float] = {}
+        self._step_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    # ---- lengths -------------------------------------------------------------------------------
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._blocks.get(b)
+        if hit is None:
+            lo, hi = b * self.block, min(self.n_steps, (b + 1) * self.block)
+            steps = np.arange(lo, hi)
+            lengths = self.sampler.sample(steps, self.mean[lo:hi], self.p90[lo:hi], self.cap[lo:hi])
+            rng = np.random.default_rng([self.seed, 11, b])
+            jit = np.exp(rng.normal(0.0, self.jitter, (hi - lo, len(self.stages))))
+            hit = self._blocks[b] = (lengths, jit)
+        return hit
+
+    def lengths(self, step: int) -> np.ndarray:
+        """The sampled response lengths of ``step`` (every policy sees the same)."""
+        lengths, _ = self._block(step // self.block)
+        return lengths[step % self.block]
+
+    # ---- per-plan structure ----------------------------------------------------------------------
+    def _info(self, plan: Plan) -> dict:
+        key = plan_key(plan)
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit
+        job, gpu = self.job, self.cluster.gpu
+        # GPU segments: pools may nest (a generation pool over the actor's and the critic's), so
+        # residents and phase times are counted per range of GPUs that every pool covers wholly or not
+        cuts = sorted({g for s in plan.stages for g in (s.first_gpu, s.first_gpu + s.gpus)})
+        segs = list(zip(cuts, cuts[1:]))
+        covers = {s.name: [k for k, (a, b) in enumerate(segs) if s.first_gpu <= a and b <= s.first_gpu + s.gpus]
+                  for s in plan.stages}
+        resident = [0.0] * len(segs)
+        for role in job.roles:
+            home = plan.stage(HOME_STAGE[role])
+            c = home.config
+            psi = params_per_gpu(job.model(role), c.tp, c.pp, value_head=role in ("critic", "reward"))
+            for k in covers[home.name]:
+                resident[k] += state_bytes(psi, c.dp, c.zero, role in TRAINABLE)
+        gen = plan.stage("actor/generation")
+        gen_resident = max(resident[k] for k in covers[gen.name])
+        if not self.engine_sleeps:  # an engine that never sleeps keeps its memory through training
+            for k in covers[gen.name]:
+                resident[k] += self.engine_util * gpu.memory_gib * GiB
+        keys, base = {}, {}
+        for s in plan.stages:
+            keys[s.name] = self._gen_key(s, gen_resident) if s.stage == "generation" else self._stage_key(s)
+            base[s.name] = 0.0 if s.stage == "generation" else max(resident[k] for k in covers[s.name])
+        train = plan.stage("actor/training")
+        actor = job.model("actor")
+        gen_bytes = 2 * params_per_gpu(actor, gen.config.tp, gen.config.pp)
+        colocated = bool(set(covers[gen.name]) & set(covers[train.name]))
+        # the full weights are gathered over the ranks that shard them: the whole pool under
+        # ZeRO-3 / FSDP, the model-parallel group (tp x pp) otherwise
+        tc = train.config
+        group = train.gpus if tc.zero >= 3 else tc.tp * tc.pp
+        sync = network.weight_sync_s(2 * actor.num_params(), group, self._spans(train.first_gpu, group),
+                                     gen_bytes, colocated, self.tab, self.links)
+        shared = any(set(covers[s.name]) & set(covers[gen.name]) for s in plan.stages if s.name != gen.name)
+        overhead = sync + (network.wake_sleep_s(gen_bytes) if shared and self.engine_sleeps else 0.0)
+        hit = self._plans[key] = {"keys": keys, "covers": covers, "segments": len(segs), "overhead": overhead,
+                                  "resident": base, "capacity": capacity_bytes(gpu.memory_gib)}
+        return hit
+
+    def _spans(self, first: int, count: int) -> bool:
+        g = self.cluster.gpus_per_node
+        return first // g != (first + count - 1) // g
+
+    def _gen_key(self, s: StagePlacement, resident: float) -> tuple:
+        c = s.config
+        kv = kv_budget_tokens(self.job.model("actor"), c.tp, c.pp, self.cluster.gpu.memory_gib, resident,
+                              util=self.engine_util, max_seqs=self.max_seqs)
+        return ("generation", c.tp, c.pp, c.dp, kv)
+
+    def _stage_key(self, s: StagePlacement) -> tuple:
+        c, g = s.config, self.cluster.gpus_per_node
+        span = c.tp * c.dp
+        stage_inter = c.pp > 1 and (s.first_gpu // g != (s.first_gpu + span) // g)
+        return (s.name, c.tp, c.pp, c.dp, c.micro_batch, getattr(c, "token_budget", 0), getattr(c, "sp", 1),
+                c.zero, c.recompute, self._spans(s.first_gpu, span) or span > g, stage_inter)
+
+    # ---- stage times on a block ------------------------------------------------------------------
+    def _stage_block(self, key: tuple, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        hit = self._stage.get((key, b))
+        if hit is not None:
+            return hit
+        lengths, _ = self._block(b)
+        lo = b * self.block
+        prompt = self.prompt[lo:lo + len(lengths)]
+        if key[0] == "generation":
+            hit = self._generation(key, lengths, prompt, self.cap[lo:lo + len(lengths)])
+        else:
+            hit = self._train_infer(key, lengths, prompt)
+        if len(self._stage) > 50_000:
+            self._stage.clear()
+        self._stage[(key, b)] = hit
+        return hit
+
+    def _generation(self, key: tuple, lengths: np.ndarray, prompt: np.ndarray, cap: np.ndarray):
+        _, tp, pp, dp, kv = key
+        actor = self.job.model("actor")
+        fits = kv >= prompt + cap
+        t = np.full(len(lengths), math.inf)
+        if fits.any():
+            ck = (tp, pp)
+            if ck not in self._coeffs:
+                self._coeffs[ck] = decode_coeffs(actor, tp, pp, self.tab, self.max_seqs)
+            a, beta = self._coeffs[ck]
+
+            def prefill(tokens, p):
+                return prefill_s(actor, tp, pp, tokens, p, self.tab)
+
+            idx = np.nonzero(fits)[0]
+            t[idx], _ = generation_times(lengths[idx], prompt[idx], dp, a, beta, kv, prefill, self.max_seqs)
+        peak = np.full(len(lengths), self.cluster.gpu.memory_gib * GiB * self.engine_util)
+        return t, fits, peak
+
+    def _train_infer(self, key: tuple, lengths: np.ndarray, prompt: np.ndarray):
+        name, tp, pp, dp, mb, budget, sp, zero, recompute, span_inter, stage_inter = key
+        role, _, stage = name.partition("/")
+        b = self.job.batch
+        spec = StageSpec(model=self.job.model(role), training=stage == "training", value_head=role in ("critic", "reward"),
+                         tp=tp, pp=pp, dp=dp, micro_batch=mb, token_budget=budget, sp=sp, zero=zero, recompute=recompute,
+                         mini_batches=b.mini_batches, epochs=b.ppo_epochs, span_inter=span_inter,
+                         stage_inter=stage_inter)
+        return stage_times(lengths + prompt[:, None].astype(lengths.dtype), spec, self.tab)
+
+    def _stage_fits(self, info: dict, ms: str, b: int) -> np.ndarray:
+        _, fits, pk = self._stage_block(info["keys"][ms], b)
+        return fits if ms.endswith("/generation") else info["resident"][ms] + pk <= info["capacity"]
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def _plan_block(self, plan: Plan, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(step seconds, ok, stage times [T, stages] with jitter, peak bytes) of ``plan`` on block b."""
+        info = self._info(plan)
+        _, jit = self._block(b)
+        cols, ok, peak = [], None, None
+        for i, ms in enumerate(self.stages):
+            t, fits, pk = self._stage_block(info["keys"][ms], b)
+            if not ms.endswith("/generation"):  # a trainer's peak: resident states of the pool + transient
+                pk = info["resident"][ms] + pk
+                fits = pk <= info["capacity"]
+                peak = pk if peak is None else np.maximum(peak, pk)
+            cols.append(t * jit[:, i])
+            ok = fits if ok is None else ok & fits
+        if peak is None:
+            peak = np.zeros(len(jit))
+        st = np.stack(cols, axis=1)
+        total = np.full(len(st), info["overhead"])
+        for phase in self.job.phases():  # a phase ends when its busiest GPU segment is done
+            per_seg = np.zeros((len(st), info["segments"]))
+            for ms in phase:
+                per_seg[:, info["covers"][ms]] += st[:, self.stages.index(ms)][:, None]
+            total = total + per_seg.max(axis=1)
+        return np.where(ok, total, math.inf), ok, st, peak
+
+    def step_times(self, plan: Plan, steps: np.ndarray | None = None) -> np.ndarray:
+        """Seconds of ``plan`` at each of ``steps`` (all steps by default); inf where it OOMs."""
+        steps = np.arange(self.n_steps) if steps is None else np.asarray(steps)
+        out = np.empty(len(steps))
+        blocks = steps // self.block
+        for b in np.unique(blocks):
+            total, _, _, _ = self._plan_block(plan, int(b))
+            sel = blocks == b
+            out[sel] = total[steps[sel] - b * self.block]
+        return out
+
+    def observe(self, plan: Plan, step: int) -> Observation:
+        b, i = divmod(step, self.block)
+        total, ok, st, peak = self._plan_block(plan, b)
+        lengths = self.lengths(step)
+        stats = (float(lengths.mean()), int(lengths.max()), float(np.percentile(lengths, 90)))
+        stage_s = {ms: float(st[i, k]) for k, ms in enumerate(self.stages)}
+        if ok[i]:
+            return Observation(stage_s, float(total[i]), True, float(peak[i]) / GiB, *stats)
+        info = self._info(plan)
+        bad = next(ms for ms in self.stages if not self._stage_fits(info, ms, b)[i])
+        lost = 0.0
+        for phase in self.job.phases():
+            if bad in phase:
+                lost += 0.5 * stage_s[bad] if math.isfinite(stage_s[bad]) else 0.0
+                break
+            lost += max(stage_s[ms] for ms in phase)
+        why = f"{bad} {plan.stage(bad).config.label()} out of memory at step {step} (SIMULATED)"
+        return Observation({}, math.inf, False, float(peak[i]) / GiB, *stats, violations=(why,), oom_stage=bad,
+                           lost_s=lost)
+
+    # ---- transitions and restarts ----------------------------------------------------------------
+    def transition_s(self, a: Plan, b: Plan) -> float:
+        """Blocking seconds of a live switch a -> b (0 for the same layout)."""
+        if a.layout_key() == b.layout_key():
+            return 0.0
+        key = (a.layout_key(), b.layout_key())
+        hit = self._trans.get(key)
+        if hit is None:
+            if self.schedule_fn is None:
+                raise SpecError("ground truth: no transition schedule function to price a layout change")
+            t = network.replay(self.schedule_fn(a, b), self.links) + network.COMM_REBUILD_S
+            ga, gb = a.stage("actor/generation"), b.stage("actor/generation")
+            if (ga.first_gpu, ga.gpus, ga.config.tp, ga.config.pp, ga.config.dp) != \
+                    (gb.first_gpu, gb.gpus, gb.config.tp, gb.config.pp, gb.config.dp):
+                t += network.ENGINE_START_S
+            hit = self._trans[key] = t
+        return hit
+
+    def known_transition(self, a: Plan, b: Plan) -> float | None:
+        if a.layout_key() == b.layout_key():
+            return 0.0
+        return self._trans.get((a.layout_key(), b.layout_key()))
+
+    def restart_s(self, plan: Plan) -> float:
+        """Seconds of a crash and relaunch on ``plan`` (checkpoint of every model read back)."""
+        total = sum((16 if role in TRAINABLE else 2) * self.job.model(role).num_params() for role in self.job.roles)
+        nodes = -(-plan.num_gpus // self.cluster.gpus_per_node)
+        return network.restart_s(total, nodes)
+
+    # ---- one model-stage on its own (differential checks) ------------------------------------------
+    def stage_times(self, s: StagePlacement, steps: np.ndarray, resident_bytes: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, peak bytes per GPU) of model-stage placement ``s`` at ``steps``, on a pool that
+        holds ``resident_bytes`` of other state per GPU (generation: an engine with the KV budget
+        that leaves; training/inference: the peak is resident + the stage's own)."""
+        steps = np.asarray(steps)
+        key = self._gen_key(s, resident_bytes) if s.stage == "generation" else self._stage_key(s)
+        t, pk = np.empty(len(steps)), np.empty(len(steps))
+        for b in np.unique(steps // self.block):
+            sel = steps // self.block == b
+            bt, fits, bp = self._stage_block(key, int(b))
+            idx = steps[sel] - b * self.block
+            t[sel] = np.where(fits[idx], bt[idx], np.inf)
+            pk[sel] = bp[idx] + (0.0 if s.stage == "generation" else resident_bytes)
+        return t, pk

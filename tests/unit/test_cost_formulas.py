@@ -1,0 +1,180 @@
+"""The cost model's terms, each against what its docstring says it computes: how memory adds up,
+how each time term scales with the config (GPUs, layers per stage, micro-batch, context), the
+closed forms of offload, weight sync, decode and the KV budget. Mutation testing found these
+relations unchecked (a sign or an operator could flip and every other test still passed)."""
+import math
+from dataclasses import replace
+
+import pytest
+
+from nereus.models import preset
+from nereus.planner.cost import model as cm
+from nereus.planner.cost.model import (decode_step_s, estimate, kv_budget_full, kv_bytes_per_token_per_gpu,
+                                       model_state_bytes, offload_s, params_per_gpu, weight_sync_s)
+from nereus.planner.cost.params import CostParams, p2p_s
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
+
+GiB = 1024**3
+H100 = ClusterSpec.from_dict({"gpu": "h100-80gb", "nodes": 1})
+H100x2 = ClusterSpec.from_dict({"gpu": "h100-80gb", "nodes": 2})
+M8B = preset("llama-3.1-8b")
+
+
+def job(mean=1024, mx=4096, prompt=512, prompts=64, spp=4, mb=4, fixed_lengths=False):
+    """PPO on Llama-3.1-8B; ``fixed_lengths``: every response at the cap (mean == max), so a
+    micro-batch of b sequences holds exactly b * (prompt + cap) tokens."""
+    seq = {"prompt_len": prompt, "response_len_mean": mx if fixed_lengths else mean, "response_len_max": mx}
+    return JobSpec.from_dict({
+        "algorithm": "ppo", "models": {"actor": "llama-3.1-8b", "critic": "llama-3.1-8b", "ref": "llama-3.1-8b"},
+        "batch": {"prompts": prompts, "samples_per_prompt": spp, "ppo_epochs": 1, "mini_batches": mb},
+        "sequence": seq})
+
+
+@pytest.mark.parametrize("stage, cfg, kw", [
+    ("actor/training", ParallelConfig(tp=2, pp=2, dp=2, zero=1, micro_batch=2), {}),
+    ("critic/training", ParallelConfig(tp=1, pp=1, dp=8, zero=3, recompute=True), {}),
+    ("actor/inference", ParallelConfig(tp=2, dp=4), {}),
+    ("actor/generation", ParallelConfig(tp=1, dp=8), {}),
+    ("actor/generation", ParallelConfig(tp=1, dp=1), {"mx": 1_000_000, "mean": 100_000}),  # KV cannot hold one
+])
+def test_memory_is_the_sum_of_its_breakdown_and_time_the_sum_of_its_terms(stage, cfg, kw):
+    e = estimate(job(**kw), H100, stage, cfg)
+    assert e.mem_bytes == pytest.approx(sum(e.mem_breakdown.values()), rel=1e-12)
+    assert e.resident_bytes + e.transient_bytes == pytest.approx(e.mem_bytes, rel=1e-12)
+    assert e.time_s == pytest.approx(sum(e.time_breakdown.values()), rel=1e-12)
+    assert all(v >= 0 for v in e.mem_breakdown.values()) and all(v >= 0 for v in e.time_breakdown.values())
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_training_state_is_sixteen_bytes_a_parameter_split_by_the_zero_stage(zero):
+    e = estimate(job(), H100, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, zero=zero))
+    psi = params_per_gpu(M8B, 1, 1)
+    want = model_state_bytes(psi, 8, zero)
+    assert {k: e.mem_breakdown[k] for k in want} == pytest.approx(want, rel=1e-12)
+    assert e.resident_bytes == pytest.approx(sum(want.values()), rel=1e-12)
+    assert sum(want.values()) == pytest.approx({0: 16, 1: 4 + 12 / 8, 2: 2 + 14 / 8, 3: 16 / 8}[zero] * psi)
+
+
+@pytest.mark.parametrize("stage", ["actor/inference", "actor/training"])
+def test_compute_time_halves_when_data_parallel_gpus_double(stage):
+    """Same micro-batches per GPU, twice the GPUs: the FLOPs are spread over twice the peak."""
+    j = job(prompts=128)
+    one = estimate(j, H100, stage, ParallelConfig(tp=1, dp=4, zero=1))
+    two = estimate(j, H100, stage, ParallelConfig(tp=1, dp=8, zero=1))
+    assert two.time_breakdown["compute"] == pytest.approx(one.time_breakdown["compute"] / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("stage, recompute", [("actor/inference", False), ("actor/training", False),
+                                               ("actor/training", True), ("critic/training", True)])
+def test_activation_and_logits_memory_grow_in_proportion_to_the_micro_batch(stage, recompute):
+    j = job(fixed_lengths=True)
+    one = estimate(j, H100, stage, ParallelConfig(tp=2, dp=4, zero=1, micro_batch=1, recompute=recompute))
+    two = estimate(j, H100, stage, ParallelConfig(tp=2, dp=4, zero=1, micro_batch=2, recompute=recompute))
+    for part in ("activations", "logits"):
+        assert two.mem_breakdown[part] == pytest.approx(2 * one.mem_breakdown[part], rel=1e-9), part
+
+
+def test_lm_logits_hold_the_vocabulary_a_value_head_one_number_per_token():
+    j = job(fixed_lengths=True)
+    cfg = ParallelConfig(tp=2, dp=4, zero=1)
+    for stage in ("inference", "training"):
+        lm = estimate(j, H100, f"actor/{stage}", cfg).mem_breakdown["logits"]
+        value = estimate(j, H100, f"critic/{stage}", cfg).mem_breakdown["logits"]
+        assert lm / value == pytest.approx(M8B.vocab / 2, rel=1e-12), stage
+    # and in proportion to the bytes of a logit
+    p = CostParams()
+    wide = estimate(j, H100, "actor/inference", cfg, params=replace(p, logits_bytes=2 * p.logits_bytes))
+    assert wide.mem_breakdown["logits"] == pytest.approx(
+        2 * estimate(j, H100, "actor/inference", cfg, params=p).mem_breakdown["logits"], rel=1e-12)
+
+
+def test_sequence_parallel_exchange_covers_only_the_layers_of_a_pipeline_stage():
+    j = job(fixed_lengths=True)
+    flat = estimate(j, H100x2, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, sp=2, zero=1))
+    staged = estimate(j, H100x2, "actor/training", ParallelConfig(tp=1, pp=2, dp=8, sp=2, zero=1))
+    assert flat.time_breakdown["sp_comm"] > 0
+    assert staged.time_breakdown["sp_comm"] == pytest.approx(flat.time_breakdown["sp_comm"] / 2, rel=1e-9)
+
+
+def test_decode_step_reads_weights_once_per_stage_micro_batch_and_kv_of_every_context_token():
+    p = CostParams()
+    hbm = p.hbm_eff * H100.gpu.hbm_bytes_per_s
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        w = M8B.dtype_bytes * params_per_gpu(M8B, tp, pp)
+        kvg = kv_bytes_per_token_per_gpu(M8B, tp, pp)
+        mem, _, _ = decode_step_s(M8B, tp, pp, 64, 3000.0, H100, p)
+        assert mem == pytest.approx((pp * w + 64 * 3000.0 * kvg) / hbm, rel=1e-12)
+
+
+def test_pipelined_decode_passes_each_micro_batchs_activations_between_stages():
+    p = CostParams()
+    _, _, flat = decode_step_s(M8B, 1, 1, 64, 1000.0, H100, p)
+    _, _, staged = decode_step_s(M8B, 1, 2, 64, 1000.0, H100, p)
+    assert flat == 0.0  # tp 1, pp 1: no communication
+    bw = H100.gpu.intra_node_gbps * 1e9 * p.intra_link_eff
+    assert staged == pytest.approx(2 * p2p_s(64 / 2 * M8B.hidden * 2, bw, p.p2p_latency_s), rel=1e-12)
+
+
+def test_kv_budget_is_what_the_engine_may_take_less_weights_and_workspace():
+    j, p = job(), CostParams()
+    w = 15 * GiB
+    b = kv_budget_full(j, H100, w, p)
+    assert b == pytest.approx(H100.gpu.usable_bytes * cm.engine_memory_util(j, p) - w - p.workspace_gib * GiB,
+                              rel=1e-12)
+    assert kv_budget_full(j, H100, 2 * w, p) == pytest.approx(b - w, rel=1e-12)
+
+
+def test_a_sequence_the_kv_budget_cannot_hold_needs_weights_workspace_and_its_kv():
+    j = job(mx=1_000_000, mean=100_000)
+    e = estimate(j, H100, "actor/generation", ParallelConfig(tp=1, dp=1))
+    assert not e.fits and math.isinf(e.time_s)
+    b = e.mem_breakdown
+    kv = (j.sequence.prompt_len + 1_000_000) * kv_bytes_per_token_per_gpu(M8B, 1, 1)
+    assert b["kv_cache"] == pytest.approx(kv) and b["workspace"] == pytest.approx(CostParams().workspace_gib * GiB)
+    assert e.mem_bytes == pytest.approx(b["weights"] + b["workspace"] + kv, rel=1e-12)
+
+
+def test_offload_moves_the_state_out_and_back_once_per_step():
+    p = CostParams()
+    assert offload_s(1e9, p) == pytest.approx(2 * 1e9 / (p.host_link_gbps * 1e9), rel=1e-12)
+
+
+def test_weight_sync_pays_one_latency_per_generation_shard_and_the_busier_end_of_the_transfer():
+    p = CostParams()
+    full = M8B.dtype_bytes * M8B.num_params()
+    bw = H100.gpu.intra_node_gbps * 1e9 * p.intra_link_eff
+    for train, gen in ((ParallelConfig(tp=2, dp=4), ParallelConfig(tp=2, pp=2, dp=2)),
+                       (ParallelConfig(tp=8, dp=1), ParallelConfig(tp=1, dp=8)),
+                       (ParallelConfig(tp=2, dp=1), ParallelConfig(tp=1, dp=8))):  # sending 4 copies dominates
+        want = p.p2p_latency_s * gen.tp * gen.pp + max(full / (gen.tp * gen.pp), full * gen.dp / train.gpus) / bw
+        assert weight_sync_s(M8B, train, gen, H100, True, p) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "qwen3-8b", "deepseek-r1-distill-qwen-1.5b"])
+def test_one_gpu_without_model_parallelism_holds_every_parameter(name):
+    """Llama, Qwen2 (q/k/v biases, tied embeddings at 1.5B), Qwen3 (q/k norms): params_per_gpu at
+    TP1 x PP1 is the model's parameter count, and TP/PP only divide it up."""
+    m = preset(name)
+    assert params_per_gpu(m, 1, 1) == m.num_params()
+    assert params_per_gpu(m, 2, 1) < m.num_params() < 2 * params_per_gpu(m, 2, 1)
+
+
+def test_each_stage_names_itself_and_its_memory_parts():
+    j = job()
+    parts = {"actor/training": {"weights", "grads", "optimizer", "activations", "logits", "workspace"},
+             "actor/inference": {"weights", "activations", "logits", "workspace"},
+             "actor/generation": {"weights", "kv_cache", "workspace"}}
+    for stage, want in parts.items():
+        e = estimate(j, H100, stage, ParallelConfig(tp=2, dp=4))
+        assert e.model_stage == stage and set(e.mem_breakdown) == want, (stage, sorted(e.mem_breakdown))
+
+
+def test_an_estimate_as_json_carries_every_field_of_the_estimate():
+    """``nereus estimate --json``: the breakdowns, the notes and the verdict, under their names."""
+    e = estimate(job(), H100, "actor/generation", ParallelConfig(tp=1, dp=2), kv_budget_bytes=8 * GiB)
+    d = e.to_dict()
+    assert {"model_stage", "tp", "pp", "dp", "time_s", "time_breakdown", "mem_bytes", "resident_bytes",
+            "transient_bytes", "mem_breakdown", "capacity_bytes", "fits", "waves", "notes"} <= set(d)
+    assert d["time_breakdown"] == dict(e.time_breakdown) and d["mem_breakdown"] == dict(e.mem_breakdown)
+    assert d["notes"] == list(e.notes) and e.notes and d["waves"] == e.waves > 1
+    assert d["mem_bytes"] == e.mem_bytes and d["fits"] == e.fits and d["model_stage"] == "actor/generation"
