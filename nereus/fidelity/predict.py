@@ -22,8 +22,8 @@ from nereus.errors import NereusError
 from nereus.fidelity.catalog import engine_of, profile_gpu, resolve_gpu, resolve_model, with_precision
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost.model import (GiB, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu, params_per_gpu,
-                                       prefill_s, weight_sync_s)
+from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu,
+                                       params_per_gpu, prefill_s, weight_sync_s)
 from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s
 from nereus.planner.specs import (BatchSpec, ClusterSpec, GPUSpec, JobSpec, ParallelConfig, RolloutSpec, SequenceSpec,
                                   Workload, GPU_PRESETS)
@@ -271,6 +271,65 @@ def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
     return job, job.workload()
 
 
+def _flag(row: Row, key: str, default: bool = False) -> bool:
+    v = row.get(key)
+    return default if v is None else v.strip().lower() in ("1", "true", "yes")
+
+
+def stage_settings(row: Row, ms: str, tp: int, pp: int, dp: int, fsdp: bool) -> tuple[ParallelConfig, StageOptions]:
+    """The parallel config and framework options of one training or inference model-stage of an
+    RL row, from the row's verl settings (keys of rl_stages.csv; a key not stated keeps the older
+    reading: token budget ``ppo_max_token_len_per_gpu`` when given, else one sequence per
+    micro-batch, gradient checkpointing on, remove-padding on, nothing offloaded):
+
+    - micro-batches: ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu`` (actor update),
+      ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_gpu`` (old and reference
+      log-prob), ``critic_use_dynamic_bsz`` with ``critic_max_token_len_per_gpu`` (update) and
+      ``critic_forward_max_token_len_per_gpu`` (values); otherwise fixed ``micro_batch_per_gpu``,
+      ``log_prob_micro_batch_per_gpu``, ``ref_log_prob_micro_batch_per_gpu``,
+      ``critic_micro_batch_per_gpu``, ``critic_forward_micro_batch_per_gpu``;
+    - padding: ``remove_padding=0`` (actor and reference) / ``critic_remove_padding=0`` pads every
+      sequence to ``max_prompt_len + max_response_len``;
+    - offload: ``actor_param_offload`` / ``critic_param_offload`` (verl's per-call offload),
+      ``ref_param_offload`` (FSDP CPUOffload, per micro-batch), ``actor_optimizer_offload`` /
+      ``critic_optimizer_offload`` (update calls);
+    - ``grad_ckpt`` (default on): full recomputation in training."""
+    role, _, stage = ms.partition("/")
+    budget0 = _int(row, "ppo_max_token_len_per_gpu", 0)
+    dyn0 = _flag(row, "use_dynamic_bsz", budget0 > 0)
+    if role == "critic":
+        dyn = _flag(row, "critic_use_dynamic_bsz", dyn0)
+        if stage == "training":
+            budget = _int(row, "critic_max_token_len_per_gpu", budget0)
+            micro = _int(row, "critic_micro_batch_per_gpu", _int(row, "micro_batch_per_gpu", 1))
+        else:
+            budget = _int(row, "critic_forward_max_token_len_per_gpu", _int(row, "critic_max_token_len_per_gpu", budget0))
+            micro = _int(row, "critic_forward_micro_batch_per_gpu", _int(row, "critic_micro_batch_per_gpu",
+                                                                        _int(row, "micro_batch_per_gpu", 1)))
+        pad = not _flag(row, "critic_remove_padding", _flag(row, "remove_padding", True))
+    elif stage == "training":
+        dyn, budget = dyn0, budget0
+        micro = _int(row, "micro_batch_per_gpu", 1)
+        pad = not _flag(row, "remove_padding", True)
+    else:
+        dyn = _flag(row, "log_prob_use_dynamic_bsz", dyn0)
+        budget = _int(row, "log_prob_max_token_len_per_gpu", budget0)
+        micro = _int(row, "log_prob_micro_batch_per_gpu", _int(row, "micro_batch_per_gpu", 1))
+        if role == "ref":
+            micro = _int(row, "ref_log_prob_micro_batch_per_gpu", micro)
+        pad = not _flag(row, "remove_padding", True)
+    if dyn and budget <= 0:
+        dyn = False
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=3 if fsdp else 1, micro_batch=max(1, micro),
+                         token_budget=budget if dyn else 0, recompute=_flag(row, "grad_ckpt", True))
+    pad_to = (_int(row, "max_prompt_len", 0) + _int(row, "max_response_len", 0)) if pad else 0
+    offload = "none"
+    if _flag(row, f"{role}_param_offload"):
+        offload = "per_micro_batch" if role == "ref" else "per_call"
+    opt_off = stage == "training" and _flag(row, f"{role}_optimizer_offload")
+    return cfg, StageOptions(pad_to=pad_to, param_offload=offload, optimizer_offload=opt_off)
+
+
 def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     model, gpu = _model(row, gpu)
     stage = row.get("stage", "")
@@ -283,15 +342,15 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     if gpus % (tp * pp):
         raise Unsupported(f"tp*pp = {tp * pp} does not divide {gpus} GPUs")
     fsdp = "fsdp" in (row.get("actor_backend") or "fsdp")
-    budget = _int(row, "ppo_max_token_len_per_gpu", 0)
-    train = ParallelConfig(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=3 if fsdp else 1, micro_batch=1,
-                           token_budget=budget, recompute=True)
+    train, _ = stage_settings(row, "actor/training", tp, pp, gpus // (tp * pp), fsdp)
     rtp = _int(row, "rollout_tp", tp)
     gen = ParallelConfig(tp=rtp, dp=gpus // rtp)
 
     def stage_s(ms: str) -> float:
-        cfg = gen if ms.endswith("generation") else train
-        return estimate(job, cluster, ms, cfg, w, p).time_s
+        if ms.endswith("generation"):
+            return estimate(job, cluster, ms, gen, w, p).time_s
+        cfg, opts = stage_settings(row, ms, tp, pp, gpus // (tp * pp), fsdp)
+        return estimate(job, cluster, ms, cfg, w, p, options=opts).time_s
 
     if stage in RL_STAGES:
         ms = RL_STAGES[stage]

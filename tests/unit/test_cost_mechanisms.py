@@ -192,3 +192,105 @@ def test_plan_json_round_trips_sequence_parallel_and_token_budget():
     assert back.stages[0].config == cfg
     plain = Plan(stages=(StagePlacement(name="actor/training", config=ParallelConfig(dp=4), pool=0, first_gpu=0, gpus=4),))
     assert "sp" not in plain.to_dict()["model_stages"][0]  # old readers see the fields they know
+
+
+# ---- RL framework mechanisms (verl FSDP workers), checked on held-out RL rows; no constant below is
+# fitted to them: padding has none, offload uses the host-link bandwidth of the reference sheet, the
+# vocabulary pass the profile's HBM efficiency (fitted on decode rows), the FSDP floor a published
+# per-unit CPU time (pytorch/pytorch#173680).
+import nereus.fidelity.predict as fidelity_predict  # noqa: E402
+from nereus.planner.cost.model import (StageOptions, fsdp_cpu_floor_s, logprob_vocab_s,  # noqa: E402
+                                       padded_tokens, param_offload_s)
+
+
+def _rl_rows(prefix, *stages, **cfg):
+    return [r for r in rows("rl_stages", **cfg) if r.id.startswith(prefix) and r.get("stage") in stages]
+
+
+def _without(monkeypatch, **drop):
+    """Predict with ``stage_settings`` stripped of the named options (the mechanism removed)."""
+    real = fidelity_predict.stage_settings
+
+    def stripped(*a, **k):
+        cfg, o = real(*a, **k)
+        return cfg, StageOptions(**{"pad_to": o.pad_to, "param_offload": o.param_offload,
+                                    "optimizer_offload": o.optimizer_offload, **drop})
+    monkeypatch.setattr(fidelity_predict, "stage_settings", stripped)
+
+
+def test_unremoved_padding_runs_every_sequence_at_max_prompt_plus_max_response(monkeypatch):
+    """verl runs with ``use_remove_padding=False`` (the critic of play-verl's Qwen2-7B PPO runs:
+    prompts padded to 512, responses to 1,024, ~290 real tokens) compute every sequence at 1,536
+    tokens: values and critic updates take 5x what the real tokens would. With the padding the
+    predictions of those held-out rows are within 2x (0.65-1.05); without it, 0.15-0.26."""
+    w = Workload(sequences=10, prompt_len=100, response_len_mean=190, response_len_max=1024)
+    assert padded_tokens(w, 0) == w.tokens and padded_tokens(w, 1536) == 10 * 1536
+    critic = _rl_rows("playverl", "values", "update_critic", critic_remove_padding="0")
+    critic = [r for r in critic if "7B" in r.model]
+    assert len(critic) == 8
+    with_pad = ratios(critic)
+    assert all(0.5 <= x <= 2 for x in with_pad), with_pad
+    _without(monkeypatch, pad_to=0)
+    without = ratios(critic)
+    assert max(without) < 0.3 and statistics.median(with_pad) > 3 * statistics.median(without)
+
+
+def test_offloaded_parameters_and_optimizer_cross_the_host_link(monkeypatch):
+    """verl's ``param_offload`` / ``optimizer_offload``: an actor or critic shard (fp32 under verl's
+    FSDP) crosses the host link twice per call, Adam's moments twice per update; a reference model
+    offloaded with FSDP CPUOffload is copied in for every micro-batch. The held-out rows of the
+    offloaded Qwen2-7B run (play-verl 'min' config) come closer to measured with it."""
+    p = CostParams()
+    assert param_offload_s(1e9, "per_call", 10, p, bytes_per_param=4) == pytest.approx(2 * 4e9 / 25e9)
+    assert param_offload_s(1e9, "per_micro_batch", 10, p) == pytest.approx(10 * 2e9 / 25e9)
+    assert param_offload_s(1e9, "none", 10, p) == 0.0
+    off = _rl_rows("playverl", "ref", "update_actor", "update_critic", actor_param_offload="1")
+    assert len(off) == 6
+    with_off = ratios(off)
+    _without(monkeypatch, param_offload="none", optimizer_offload=False)
+    without = ratios(off)
+    assert all(a > b for a, b in zip(with_off, without))
+    assert statistics.median(abs(math.log(x)) for x in with_off) < statistics.median(abs(math.log(x)) for x in without)
+
+
+def test_log_probabilities_pay_a_memory_bound_pass_over_the_vocabulary():
+    """After the LM head, log-softmax in fp32 reads and writes every logit: for Qwen's 152k
+    vocabulary about 2.4 GB per 1,000 tokens, a share of the old-log-prob pass that GEMM FLOPs do
+    not count; the value head (critic) does not pay it. Held-out play-verl Qwen2-7B log-prob rows
+    (remove-padding on, no offload) are within 2x with it."""
+    p = fitted_params("h100-80gb")
+    cfg = ParallelConfig(dp=8, tp=1)
+    t = logprob_vocab_s(8000, 152064, cfg, H100, p, training=False)  # 1,000 tokens per GPU
+    assert t == pytest.approx(1000 * 152064 * 16 / (p.hbm_eff * H100.gpu.hbm_bytes_per_s))
+    assert logprob_vocab_s(8000, 152064, ParallelConfig(dp=8, tp=2), H100, p, False) == pytest.approx(
+        logprob_vocab_s(8000, 152064, cfg, H100, p, False) / 2)
+    job = load_job("examples/ppo-8b.yaml")
+    actor = estimate(job, H100, "actor/inference", ParallelConfig(dp=8), params=p)
+    critic = estimate(job, H100, "critic/inference", ParallelConfig(dp=8), params=p)
+    # a few % of an 8B log-prob pass at long sequences (ppo-8b example), none for the value head
+    assert actor.time_breakdown["logprob_vocab"] > 0.02 * actor.time_s and "logprob_vocab" not in critic.time_breakdown
+    lp = _rl_rows("playverl", "old_log_prob", "ref", actor_param_offload="0", remove_padding="1")
+    lp = [r for r in lp if "7B" in r.model]
+    assert len(lp) == 4 and all(0.5 <= x <= 2 for x in ratios(lp))
+
+
+def test_small_models_under_fsdp_are_cpu_bound_per_layer_and_micro_batch(monkeypatch):
+    """FSDP runs each decoder layer's hooks and eager launches on the CPU once per pass and micro-
+    batch (about 1 ms per unit, pytorch/pytorch#173680); overlapped with the GPU, it only shows when
+    the GPU work per micro-batch is smaller, as for 0.5-1B models with 4-8 sequences per micro-
+    batch (held-out play-verl Qwen2.5-0.5B PPO and verl Llama-3.2-1B rows), not for the 7B rows."""
+    p = CostParams()
+    assert fsdp_cpu_floor_s(10, 24, 3, 0.1, p) == pytest.approx(10 * 24 * 3 * 1e-3 - 0.1)
+    assert fsdp_cpu_floor_s(10, 24, 1, 5.0, p) == 0.0
+    small = [r for r in ROWS if r.category == "rl_stages" and r.id.startswith(("playverl", "verlbm1b"))
+             and r.get("stage") in ("old_log_prob", "values", "update_actor", "update_critic")
+             and ("0.5B" in r.model and r.get("algo") == "ppo" or "1B" in r.model)]
+    big = _rl_rows("playverl", "values", "update_critic", critic_remove_padding="0")
+    big = [r for r in big if "7B" in r.model and r.get("actor_param_offload") == "0"]
+    assert len(small) == 10 and len(big) == 4
+    with_floor, big_with = ratios(small), ratios(big)
+    import nereus.planner.cost.model as cost_model
+    monkeypatch.setattr(cost_model, "fsdp_cpu_floor_s", lambda *a, **k: 0.0)
+    without, big_without = ratios(small), ratios(big)
+    assert statistics.median(with_floor) > 1.5 * statistics.median(without)
+    assert big_with == pytest.approx(big_without, rel=1e-9)

@@ -156,12 +156,14 @@ def test_a_plain_solve_reports_its_wall_time_and_gap_in_the_plan_too():
 
 @pytest.mark.parametrize("backend", ["cpsat", "pulp", "greedy", "brute"])
 def test_a_fixed_placement_keeps_every_pool_where_the_given_plan_has_it(backend):
-    """Instance 2's optimum puts the actor on GPUs 0-3 and the critic on 4-7; pinned the other way
+    """Instance 6's optimum puts the actor on GPUs 0-3 and the critic on 4-7; pinned the other way
     round, every backend re-tunes the configs inside those very GPU ranges. (Bug found here: the
-    exact backends swapped them back, the MILP's slot numbering read against the skeleton's.)"""
+    exact backends swapped them back, the MILP's slot numbering read against the skeleton's.)
+    Instance 2 had that split until the cost model priced the log-softmax pass over the vocabulary
+    (``logprob_vocab_s``); its optimum now colocates them on 8 GPUs."""
     from nereus.planner.solver import PlanConstraints
 
-    p = random_instance(2)
+    p = random_instance(6)
     opt = solve(p, backend="cpsat", workers=1).plan
     where = {s.name: (s.first_gpu, s.gpus) for s in opt.stages}
     assert where["actor/training"] == (0, 4) and where["critic/training"] == (4, 4), where
@@ -198,12 +200,13 @@ def test_the_milp_objective_is_the_step_time_recomputed_from_its_plan(backend, m
 
 
 def test_re_tuning_inside_the_current_pools_is_a_candidate_when_moving_pools_costs_too_much():
-    """Instance 3: the greedy plan (everything on all 16 GPUs) re-tuned inside that one pool is
-    faster than itself, and only the optimum's different pools cost a transition here. The
-    transition-aware solve must find the re-tuned plan (it keeps every model where it is)."""
+    """Instance 11: the greedy plan re-tuned inside its own pools is faster than itself, and only
+    the optimum's different pools cost a transition here. The transition-aware solve must find the
+    re-tuned plan (it keeps every model where it is). (Instance 3 had that shape until the cost
+    model priced the log-softmax pass over the vocabulary; its greedy plan is now optimal.)"""
     from nereus.planner.solver import PlanConstraints
 
-    p = random_instance(3)
+    p = random_instance(11)
     cur = solve(p, backend="greedy").plan
     retuned = solve(replace(p, constraints=PlanConstraints(fixed_placement=cur)), backend="cpsat", workers=1)
     opt = solve(p, backend="cpsat", workers=1)

@@ -55,6 +55,40 @@ class StageEstimate:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class StageOptions:
+    """How a training framework runs one model-stage beyond its parallel config (verl's FSDP
+    worker settings). The planner's own plans use the defaults; ``nereus fidelity`` passes a
+    corpus row's settings.
+
+    - ``pad_to``: every sequence of a training / inference micro-batch is padded to this many
+      tokens (verl with ``use_remove_padding=False`` pads prompts to ``max_prompt_length`` and
+      responses to ``max_response_length``); 0: the tokens actually there (remove-padding / packing).
+    - ``param_offload``: ``none``; ``per_call`` (verl ``fsdp_config.param_offload`` of an actor or
+      critic: the shard is loaded to the GPU before each call and offloaded after it); or
+      ``per_micro_batch`` (PyTorch FSDP ``CPUOffload(offload_params=True)``, which verl uses for a
+      reference model with ``param_offload``: the shard is copied host -> GPU for every forward).
+    - ``optimizer_offload``: the Adam state lives on the host and moves to the GPU and back
+      around each optimizer update call (verl ``fsdp_config.optimizer_offload``).
+    """
+
+    pad_to: int = 0
+    param_offload: str = "none"
+    optimizer_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pad_to, bool) or not isinstance(self.pad_to, int) or self.pad_to < 0:
+            raise SpecError(f"stage options: pad_to must be an integer >= 0, got {self.pad_to!r}")
+        if self.param_offload not in ("none", "per_call", "per_micro_batch"):
+            raise SpecError(f"stage options: param_offload must be none, per_call or per_micro_batch, "
+                            f"got {self.param_offload!r}")
+        if not isinstance(self.optimizer_offload, bool):
+            raise SpecError(f"stage options: optimizer_offload must be true or false, got {self.optimizer_offload!r}")
+
+
+NO_OPTIONS = StageOptions()
+
+
 # ---- sizes -------------------------------------------------------------------------------------
 def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm") -> float:
     """Parameters held by one GPU of the most loaded pipeline stage (KV projections replicate
@@ -141,9 +175,10 @@ def validate_config(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: P
 
 def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: ParallelConfig,
              workload: Workload | None = None, params: CostParams | None = None,
-             kv_budget_bytes: float | None = None) -> StageEstimate:
+             kv_budget_bytes: float | None = None, options: StageOptions | None = None) -> StageEstimate:
     """Time and memory of ``model_stage`` under ``cfg``. ``kv_budget_bytes`` caps the KV cache of
-    generation per GPU (default: what the inference engine may take of an otherwise empty GPU)."""
+    generation per GPU (default: what the inference engine may take of an otherwise empty GPU);
+    ``options``: padding and offload settings of the framework (``StageOptions``)."""
     model = validate_config(job, cluster, model_stage, cfg)
     w = workload or job.workload()
     p = params or CostParams()
@@ -152,10 +187,11 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
     if cfg.sp > 1 and model.heads % (cfg.sp * cfg.tp):
         raise SpecError(f"sp({cfg.sp}) * tp({cfg.tp}) must divide the {model.heads} attention heads of {model.name} "
                         f"(Ulysses splits heads across the sequence-parallel ranks)")
+    o = options or NO_OPTIONS
     if stage == "training":
-        return _training(job, cluster, model_stage, model, cfg, w, p, head)
+        return _training(job, cluster, model_stage, model, cfg, w, p, head, o)
     if stage == "inference":
-        return _inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded)
+        return _inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded, o)
     return _generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
 
 
@@ -180,30 +216,36 @@ def _moments(prompt: int, mean: float, p90: float | None, cap: int) -> tuple[flo
     return sum(s) / len(s), sum(x * x for x in s) / len(s)
 
 
-def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool = False) -> tuple[int, float, float]:
+def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool = False,
+                   pad_to: int = 0) -> tuple[int, float, float]:
     """(micro-batches per data group per optimizer step, mean tokens of a micro-batch, tokens of the
     largest one) for fixed ``micro_batch`` sequences or a ``token_budget`` per GPU (packing; a
     sequence longer than the budget gets a micro-batch of its own). ``padded``: every sequence is
     padded to the batch's longest (time: the expected longest; memory: the cap, which a padded
-    batch reaches whenever one row does)."""
+    batch reaches whenever one row does). ``pad_to`` > 0: every sequence is ``pad_to`` tokens wide
+    (``padded_tokens``); a token budget still counts the real tokens."""
     groups = cfg.dp // cfg.sp
     seqs = w.sequences / (per_step * groups)
     s_mean = w.prompt_len + w.response_len_mean
     longest = w.prompt_len + expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
+    s_real = s_mean
+    if pad_to:
+        s_mean = longest = float(max(pad_to, w.prompt_len + 1))
     if padded:  # a padded batch is as wide as its longest row, which may reach the cap any step
         b = cfg.micro_batch
         return max(1, math.ceil(seqs / b)), b * longest, b * (w.prompt_len + w.response_len_max)
     if cfg.token_budget:
         budget = cfg.token_budget * cfg.sp
-        m = max(1, math.ceil(seqs * s_mean / budget))
-        return m, seqs * s_mean / m, max(float(budget), longest)
+        # the budget counts real tokens (verl balances micro-batches on attention-mask lengths), padded or not
+        m = max(1, math.ceil(seqs * s_real / budget))
+        return m, seqs * s_mean / m, max(float(budget) * s_mean / s_real, longest)
     b = cfg.micro_batch
     m = max(1, math.ceil(seqs / b))
     return m, b * s_mean, (b - 1) * s_mean + longest
 
 
 def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
-              w: Workload, p: CostParams, head: str) -> StageEstimate:
+              w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, dp, sp = cfg.tp, cfg.pp, cfg.dp, cfg.sp
     E, M = job.batch.ppo_epochs, job.batch.mini_batches
     h, L = model.hidden, model.layers
@@ -212,8 +254,9 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
     n_factor = 8 if cfg.recompute else 6
     attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
-    flops = n_factor * model.matmul_params() * w.tokens * E
-    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded)
+    tokens = padded_tokens(w, o.pad_to)
+    flops = n_factor * model.matmul_params() * tokens * E
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded, o.pad_to)
     eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
     compute = flops / (cfg.gpus * gpu.peak_flops * eff) + attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
@@ -232,6 +275,15 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
         t["dp_grad_sync"] = E * M * ar_s(psi * 2, dp, cluster, p, tp * pp)
     opt_share = psi / dp if cfg.zero >= 1 else psi
     t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
+    if head == "lm":
+        t["logprob_vocab"] = logprob_vocab_s(tokens * E, model.vocab, cfg, cluster, p, training=True)
+    if o.param_offload != "none":
+        t["param_offload"] = param_offload_s(psi / dp if cfg.zero >= 3 else psi, o.param_offload, n_micro, p,
+                                             bytes_per_param=4.0, passes_per_micro_batch=2)
+    if o.optimizer_offload:
+        t["optimizer_offload"] = optimizer_offload_s(opt_share, p)
+    if cfg.zero >= 3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p)
     # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
     resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
@@ -255,13 +307,14 @@ def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int
 
 
 def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
-               p: CostParams, head: str, padded: bool = False) -> StageEstimate:
+               p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
-    flops = 2 * model.matmul_params() * w.tokens
-    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded)
+    tokens = padded_tokens(w, o.pad_to)
+    flops = 2 * model.matmul_params() * tokens
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
     eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / sp * h * model.ffn / tp)
     peak = cfg.gpus * cluster.gpu.peak_flops
     compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
@@ -270,13 +323,88 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
          "tp_comm": m * math.ceil(L / pp) * 2 * ar_s(act_bytes, tp, cluster, p),
          "sp_comm": m * math.ceil(L / pp) * 4 * _a2a(act_bytes / tp, sp, cluster, p, tp),
          "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
-    resident = {"weights": model.dtype_bytes * params_per_gpu(model, tp, pp, head)}
+    if head == "lm":
+        t["logprob_vocab"] = logprob_vocab_s(tokens, model.vocab, cfg, cluster, p, training=False)
+    psi = params_per_gpu(model, tp, pp, head)
+    if o.param_offload != "none":
+        t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
+                                             bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
+    if cfg.zero >= 3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p)
+    resident = {"weights": model.dtype_bytes * psi}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / sp
     transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
                  "workspace": p.workspace_gib * GiB}
     return _finish(ms, cfg, t, "inference", p, resident, transient, cluster)
+
+
+def padded_tokens(w: Workload, pad_to: int = 0) -> float:
+    """Tokens the GEMMs of one pass over the step's sequences process. A framework that does not
+    remove padding (verl ``use_remove_padding=False``, its default before v0.4 and still the
+    critic's default in many example scripts) runs every sequence at ``pad_to`` = max prompt +
+    max response tokens: the rollout pads responses to ``max_response_length`` and prompts to
+    ``max_prompt_length`` (verl ``vllm_rollout``: ``pad_2d_list_to_length(..., max_length=
+    response_length)``; RL dataset: left-padding to ``max_prompt_length``). With short GSM8K answers
+    (~290 real of 1,536 padded tokens) that is 5x the work. Attention is left at the real lengths:
+    Hugging Face's FlashAttention-2 path unpads q/k/v inside each layer. No constant is fitted."""
+    return float(w.sequences * max(pad_to, w.prompt_len + 1)) if pad_to else float(w.tokens)
+
+
+def logprob_vocab_s(tokens: float, vocab: int, cfg: ParallelConfig, cluster: ClusterSpec, p: CostParams,
+                    training: bool) -> float:
+    """The log-probability pass over the vocabulary after the LM head, memory-bound: every one of
+    the ``tokens`` x ``vocab`` logits is written in bf16 by the head GEMM, cast to fp32 and put
+    through log-softmax (``p.logprob_bytes_per_logit`` HBM bytes per logit, derived from those
+    element-wise passes); training adds the backward of log-softmax and the cast
+    (``p.logprob_train_extra_bytes_per_logit``). Each GPU holds tokens/dp of the tokens (sequence
+    parallel ranks included) and vocab/tp of the vocabulary (vocab-parallel head); the last
+    pipeline stage pays it. Bandwidth: the profile's HBM efficiency, fitted on decode rows (fit
+    split). A 152k-token vocabulary (Qwen) makes this about 2.4 GB per 1,000 tokens."""
+    per_logit = p.logprob_bytes_per_logit + (p.logprob_train_extra_bytes_per_logit if training else 0.0)
+    return tokens / cfg.dp * vocab / cfg.tp * per_logit / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
+
+
+def param_offload_s(shard_params: float, mode: str, micro_batches: float, p: CostParams,
+                    bytes_per_param: float = 2.0, passes_per_micro_batch: int = 1) -> float:
+    """Host <-> GPU traffic of a parameter shard kept in host memory (``StageOptions.param_offload``)
+    over the host link (``p.host_link_gbps``):
+
+    - ``per_call``: verl's own offload of an actor / critic (``load_fsdp_model_to_gpu`` before the
+      call, ``offload_fsdp_model_to_cpu`` after): the shard crosses twice per call;
+    - ``per_micro_batch``: PyTorch FSDP ``CPUOffload(offload_params=True)`` (verl's reference model
+      with ``param_offload``): the shard is copied to the GPU before every forward (and backward in
+      training) of every micro-batch; the copy back is a pointer swap to the pinned host shard.
+
+    ``bytes_per_param``: 4 for a trained model under verl's FSDP (fp32 flat parameters, bf16
+    compute), the dtype's size for a frozen one."""
+    nbytes = shard_params * bytes_per_param
+    if mode == "per_call":
+        return 2 * nbytes / (p.host_link_gbps * 1e9)
+    if mode == "per_micro_batch":
+        return micro_batches * passes_per_micro_batch * nbytes / (p.host_link_gbps * 1e9)
+    return 0.0
+
+
+def optimizer_offload_s(opt_share_params: float, p: CostParams) -> float:
+    """Adam moments (fp32 m and v: 8 bytes per parameter of the optimizer's shard) loaded to the GPU
+    before an update call and offloaded after it (verl ``optimizer_offload``)."""
+    return 2 * opt_share_params * 8.0 / (p.host_link_gbps * 1e9)
+
+
+def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: float, p: CostParams) -> float:
+    """Time a stage run under PyTorch FSDP waits on the CPU beyond its GPU work. FSDP wraps every
+    decoder layer as a unit whose pre-forward / pre-backward hooks (unshard, all-gather launch,
+    stream waits, then the layer's eager kernel launches) run on the CPU once per pass per micro-
+    batch: ``passes`` = 1 for a forward-only stage, 2 for forward + backward, 3 with activation
+    recomputation. CPU and GPU overlap, so only the excess of the CPU time over the GPU time
+    ``gpu_s`` is added; large micro-batches of large models hide it, small models with small
+    micro-batches (RL on 0.5-1B models, a few sequences per micro-batch) are CPU-bound.
+    ``p.fsdp_unit_cpu_s`` = 1 ms per unit per pass, as published for FSDP2's pre-forward on a
+    server Xeon (pytorch/pytorch#173680: "1 ms launches", half the step time of that model)."""
+    cpu = micro_batches * layers * passes * p.fsdp_unit_cpu_s
+    return max(0.0, cpu - gpu_s)
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:

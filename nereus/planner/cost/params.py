@@ -72,6 +72,17 @@ class CostParams:
     """Bytes per logit (fp32)."""
     logits_copies_train: float = 2.0
     """Logits plus their gradient in training."""
+    logprob_bytes_per_logit: float = 16.0
+    """HBM bytes per logit of the log-probability pass after the LM head (derived, not fitted):
+    the head writes bf16 logits (2), the fp32 cast reads 2 and writes 4, log-softmax reads 4 and
+    writes 4 (verl ``logprobs_from_logits``; NeMo RL and OpenRLHF do the same in fp32)."""
+    logprob_train_extra_bytes_per_logit: float = 18.0
+    """Extra HBM bytes per logit in training: log-softmax backward reads its output and the
+    incoming gradient and writes the logits' gradient (12), cast back to bf16 (read 4, write 2)."""
+    fsdp_unit_cpu_s: float = 1e-3
+    """CPU time of one FSDP unit (a decoder layer) per forward or backward pass: hooks, unshard and
+    the layer's eager launches (pytorch/pytorch#173680: about 1 ms per pre-forward, FSDP2 on a
+    server Xeon). A floor under small models' micro-batches (``fsdp_cpu_floor_s``)."""
     workspace_gib: float = 1.0
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     host_link_gbps: float = 25.0
