@@ -1,4 +1,5 @@
-"""nereus demo: a real GRPO run on CPU gloo processes that re-plans its parallelism online."""
+"""nereus demo: a real GRPO run on CPU gloo processes that re-plans its parallelism online, beside
+single-layout baselines (static, static+recompute, hindsight), at one memory budget or three."""
 from __future__ import annotations
 
 import argparse
@@ -6,15 +7,35 @@ import argparse
 from nereus.commands.common import pos_float, pos_int, write_json
 
 
+def _ks(text: str) -> tuple[float, ...]:
+    try:
+        ks = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budgets takes multiples of the model state like 1.5,2,3, got {text!r}")
+    if not ks or any(not k > 0 for k in ks):
+        raise argparse.ArgumentTypeError(f"--budgets: every multiple must be > 0, got {text!r}")
+    return ks
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
+    from nereus.demo.setup import POLICIES
+
     p = sub.add_parser("demo", help="real GRPO run on gloo processes that switches layouts as responses grow",
                        description="A real RL run (GRPO on the reference transformer, gloo processes on CPU) whose "
-                                   "controller re-plans the parallel layout online, then the same run under the "
-                                   "static policy, side by side. Everything printed is measured in this run.")
+                                   "controller re-plans the parallel layout online, beside the same run under single "
+                                   "layouts: static (what a user would pick), static+recompute, hindsight (the best "
+                                   "single layout knowing the run's lengths). Everything printed is measured in this "
+                                   "run. Memory budget per process: k x the model state of the plainest layout.")
     p.add_argument("--steps", type=pos_int, default=30)
     p.add_argument("--world", type=pos_int, default=4, help="gloo processes (2-4)")
-    p.add_argument("--budget-mb", type=pos_float, default=16.0, help="per-process device-memory budget (MiB)")
-    p.add_argument("--policy", choices=("both", "adaptive", "static"), default="both")
+    p.add_argument("--budget-k", type=pos_float, default=2.0,
+                   help="per-process memory budget as a multiple of the per-process model state (default 2)")
+    p.add_argument("--budgets", type=_ks, metavar="K,K,K",
+                   help="run every policy at each of these multiples (e.g. 1.5,2,3: the README's table)")
+    p.add_argument("--budget-mb", type=pos_float, help="an explicit per-process budget (MiB) instead of --budget-k")
+    p.add_argument("--policy", choices=("all", "both") + tuple(x for x in POLICIES if x != "hindsight"), default="all",
+                   help="all (default: the four policies), both (adaptive and static) or one policy (hindsight is "
+                        "chosen from the adaptive run, so only with all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="out/demo", help="plot, audit logs and per-step records")
     p.add_argument("--json", metavar="OUT", help="write the measured figures as JSON")
@@ -28,15 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not 2 <= args.world <= 4:
         raise SpecError(f"--world must be 2, 3 or 4 (gloo processes on this machine), got {args.world}")
-    cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, policy=args.policy,
-                     seed=args.seed, out_dir=args.out_dir)
-    out = run_demo(cfg)
-    s = out["summary"]
-    blank = {"mean_step_s": None, "transition_s": None, "infeasible_steps": None, "peak_mem_frac": None,
-             "transition_peak_mem_frac": None}
-    pick = lambda d: {k: d[k] for k in blank} if d else blank  # noqa: E731
-    a = s.get("adaptive")
-    write_json(args.json, {"steps": cfg.steps, "transitions": a["transitions"] if a else 0,
-                           "verified_transitions": a["verified_transitions"] if a else 0,
-                           "adaptive": pick(a), "static": pick(s.get("static"))})
+    if args.budgets and args.budget_mb:
+        raise SpecError("give --budgets (multiples of the model state) or --budget-mb, not both")
+    cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
+                     policy=args.policy, seed=args.seed, out_dir=args.out_dir)
+    out = run_demo(cfg, budgets=args.budgets)
+    write_json(args.json, out)
     return 0

@@ -1,11 +1,25 @@
-"""The demo's controllers: the same online ``Controller`` the simulator uses, fed the run's real
-measured metrics, restricted to what the CPU executor runs (TP 1/2/4 without PP, ZeRO-1, no
-recomputation, no sequence parallelism, every model-stage colocated on all ranks)."""
+"""The demo's controllers and the single layouts of its baselines: the same online ``Controller``
+the simulator uses, fed the run's real measured metrics, restricted to what the CPU executor runs
+(TP 1/2/4 without PP, ZeRO-1, full recomputation or none, no sequence parallelism, every
+model-stage colocated on all ranks).
+
+How each policy's layout is chosen (``setup.POLICIES``), all by the planner on the same cost model:
+
+- adaptive: the fastest plan for the first step's workload, then whatever the controller switches to;
+- static: what a user would pick before the run, knowing its cap schedule but not its response
+  lengths: the fastest plan for the largest cap with the job's nominal mean length, with actor
+  generation on the training layout (no per-step weight sync), recomputation off;
+- static+recompute: the same with recomputation allowed;
+- hindsight: every plan the planner calls best for some step of the adaptive run (each step's
+  measured mean, p90 and cap), plus the two static ones, is scored over all the run's steps;
+  the fastest in total among those that fit every step wins. It knows the lengths; the adaptive
+  run's, not its own (its policy changes what the model learns a little).
+"""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from nereus.demo.setup import DemoConfig, cap_at
+from nereus.demo.setup import DemoConfig, budget_for, cap_at
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.plan import Plan
 from nereus.planner.online.plan_cache import LayoutRule, PlanCache, static_rule
@@ -13,12 +27,17 @@ from nereus.planner.solver.problem import CandidateSettings
 
 GiB = 1024**3
 DEMO_CANDIDATES = CandidateSettings(tps=(1, 2, 4), max_pp=1, micro_batches=(1, 2, 4, 8), zeros=(1,),
-                                    recompute=(False,), sps=(1,))
+                                    recompute=(False, True), sps=(1,))
+NO_RECOMPUTE = replace(DEMO_CANDIDATES, recompute=(False,))
 COLOCATED = LayoutRule(name="adaptive", placement="colocated")
 
 
-def plan_cache(job, cluster) -> PlanCache:
-    return PlanCache(job, cluster, time_limit_s=5.0, seed=0, candidates=DEMO_CANDIDATES)
+def candidates_for(policy: str, recompute: bool = True) -> CandidateSettings:
+    return NO_RECOMPUTE if policy == "static" or not recompute else DEMO_CANDIDATES
+
+
+def plan_cache(job, cluster, policy: str = "adaptive", recompute: bool = True) -> PlanCache:
+    return PlanCache(job, cluster, time_limit_s=5.0, seed=0, candidates=candidates_for(policy, recompute))
 
 
 def initial_plan(job, cluster, params, cfg: DemoConfig) -> Plan:
@@ -26,11 +45,68 @@ def initial_plan(job, cluster, params, cfg: DemoConfig) -> Plan:
     from nereus.errors import InfeasibleError
 
     w0 = job.workload().with_lengths(mean=4.0, max_=cap_at(cfg, 0))
-    plan = plan_cache(job, cluster).best(COLOCATED, w0, cluster.num_gpus, params)
+    plan = plan_cache(job, cluster, recompute=cfg.recompute).best(COLOCATED, w0, cluster.num_gpus, params)
     if plan is None:
-        raise InfeasibleError(f"demo: no plan fits a {cfg.budget_mb:g} MB budget even for short responses; "
+        raise InfeasibleError(f"demo: no plan fits a {budget_for(cfg):g} MB budget even for short responses; "
                               "raise --budget-mb")
     return plan
+
+
+def static_plan(job, cluster, params, cfg: DemoConfig, policy: str = "static") -> tuple[Plan | None, int]:
+    """(plan, cap it was sized for): the fastest plan with actor generation on the actor's training
+    TP (no weight sync), for the run's largest cap at the job's nominal mean length; when none fits
+    that, for the first cap (a user who hopes), else None."""
+    cache = plan_cache(job, cluster, policy, cfg.recompute)
+    caps = sorted({c for _, c in cfg.cap_schedule}, reverse=True)
+    for cap in (caps[0], cap_at(cfg, 0)):
+        w = job.workload().with_lengths(max_=cap)
+        best = None
+        for tp in DEMO_CANDIDATES.tps:
+            rule = LayoutRule(name=f"{policy}-tp{tp}", placement="colocated",
+                              fixed_tp_pp=(("actor/generation", tp, 1), ("actor/training", tp, 1)))
+            p = cache.best(rule, w, cluster.num_gpus, params)
+            if p is not None and (best is None or p.step_time_s < best.step_time_s):
+                best = p
+        if best is not None:
+            return best, cap
+    return None, 0
+
+
+def step_workloads(job, records: list[dict]) -> list:
+    """Each step's workload as it ran: measured mean and p90 response length, the cap in force."""
+    return [replace(job.workload().with_lengths(mean=max(1.0, r["response_len_mean"]), max_=r["cap"]),
+                    response_len_p90=min(float(r["cap"]), max(1.0, r["response_len_p90"]))) for r in records]
+
+
+def hindsight_plan(job, cluster, params, records: list[dict], others: list[Plan],
+                   recompute: bool = True) -> tuple[Plan | None, list[dict]]:
+    """(best single plan for the run, the candidates with their predicted run time): see the module
+    docstring. The candidates' total is the uncorrected model's step time summed over the steps."""
+    from nereus.planner.cost.plan_times import compose_step, evaluate_times
+
+    ws = step_workloads(job, records)
+    cache = plan_cache(job, cluster, recompute=recompute)
+    cands: dict[tuple, Plan] = {}
+    for w in ws:
+        p = cache.best(COLOCATED, w, cluster.num_gpus, params)
+        if p is not None:
+            cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
+                                                     for s in p.stages), p)
+    for p in others:
+        if p is not None:
+            cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
+                                                     for s in p.stages), p)
+    scored = []
+    for p in cands.values():
+        total, fits = 0.0, True
+        for w in ws:
+            t = evaluate_times(job, cluster, p, w, params)
+            fits = fits and t.feasible
+            total += compose_step(job, p, t.stage_s, t.weight_sync_s)
+        scored.append({"plan": p, "predicted_run_s": total, "fits_every_step": fits})
+    scored.sort(key=lambda c: (not c["fits_every_step"], c["predicted_run_s"]))
+    best = scored[0]["plan"] if scored and scored[0]["fits_every_step"] else None
+    return best, scored
 
 
 class DemoController:
@@ -54,9 +130,11 @@ class DemoController:
 
 
 def make_demo_controller(policy: str, job, cluster, params, plan: Plan, cfg: DemoConfig) -> DemoController:
+    """adaptive: free to change layout; every other policy keeps its plan's layout (TP/PP and pools),
+    the controller still free to change knobs inside it (micro-batch; recomputation where allowed)."""
     rule = COLOCATED if policy == "adaptive" else static_rule(plan)
     audit = f"{cfg.out_dir}/audit-{policy}.jsonl"
     ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25, audit_path=audit,
-                     initial_plan=plan, total_steps=cfg.steps, rule=rule, plans=plan_cache(job, cluster),
+                     initial_plan=plan, total_steps=cfg.steps, rule=rule, plans=plan_cache(job, cluster, policy, cfg.recompute),
                      build_transition=False, patience=1, min_dwell=2, forecast_window=8)
     return DemoController(ctl)

@@ -1,21 +1,29 @@
 """``nereus demo``: a real GRPO run on ``world`` gloo processes that re-plans its parallelism online,
-then the same run under the static policy, side by side.
+beside the same run under three single-layout baselines (static, static+recompute, hindsight), at
+one memory budget or several (``run_demo(..., budgets=...)``).
 
-Set-up in the parent process: a short supervised warm-up of the policy, a probe of the real model's
-activation bytes and speed (so the cost model describes these processes), the initial plan (the
-fastest for short responses). Then each policy runs on freshly spawned ranks (``worker.py``).
+Set-up in the parent process: a short supervised warm-up of the policy, probes of the real model's
+activation bytes and speed and of the world's host overheads (so the cost model describes these
+processes), then per budget: each policy's plan (``policy.py``) and a run of it on freshly spawned
+ranks (``worker.py``). Adaptive runs first: hindsight is chosen from its response lengths.
+
+Throughput is counted on identical work: response tokens of the steps that completed, divided by
+the time of those steps (and of the transitions the policy paid for); a step aborted over budget
+adds neither tokens nor time (its time is reported on its own, as lost).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nereus.demo.setup import DEMO_MODEL, DemoConfig, demo_cluster, demo_job, demo_params
+from nereus.demo.setup import (DEMO_MODEL, MiB, DemoConfig, budget_for, demo_cluster, demo_job, demo_params,
+                               policies_of, state_bytes)
 from nereus.demo.task import CountingTask
 from nereus.demo.warmup import forward, probe_activations, sft_warmup, token_accuracy
 
@@ -48,71 +56,172 @@ def prepare(cfg: DemoConfig, log=print):
     t0 = time.perf_counter()
     full = sft_warmup(DEMO_MODEL, task, seed=cfg.seed, steps=cfg.warmup_steps)
     acc = token_accuracy(DEMO_MODEL, full, task)
+    log(f"warm-up: {cfg.warmup_steps} supervised steps -> per-token accuracy {acc:.2f} "
+        f"(expected response length about {acc / max(1e-6, 1 - acc):.1f}); {time.perf_counter() - t0:.1f} s")
+    from nereus.demo.probe import probe_world
+
+    t0 = time.perf_counter()
     longest = max(c for _, c in cfg.cap_schedule)
     rep, shard = probe_activations(DEMO_MODEL, full, task.prompt_len + longest)
     flops, decode_s = measure_speed(full)
-    log(f"warm-up: {cfg.warmup_steps} supervised steps -> per-token accuracy {acc:.2f} "
-        f"(expected response length about {acc / max(1e-6, 1 - acc):.1f}); {time.perf_counter() - t0:.1f} s")
-    log(f"probe: activations {rep / 1024:.1f} KiB replicated + {shard / 1024:.1f} KiB TP-split per token per layer; "
-        f"training {flops / 1e9:.1f} GFLOP/s per process; decode step {decode_s * 1e3:.1f} ms")
+    host = probe_world(full, cfg.world, cfg.prompts * cfg.samples, task.prompt_len + cfg.cap_schedule[0][1])
+    log(f"probe ({time.perf_counter() - t0:.1f} s): activations {rep / 1024:.1f} KiB replicated + {shard / 1024:.1f} KiB "
+        f"TP-split per token per layer; training {flops / 1e9:.1f} GFLOP/s in one process; on {cfg.world} processes: "
+        f"{host['micro_batch_overhead_s'] * 1e3:.1f} ms per micro-batch pass, "
+        f"{host['optimizer_step_overhead_s'] * 1e3:.0f} ms per optimizer step, "
+        f"{host['allreduce_latency_s'] * 1e3:.2f} ms per collective step, {host['decode_step_s'] * 1e3:.1f} ms per "
+        f"decode step")
     job = demo_job(cfg)
     base = demo_params(rep, shard)
-    params = replace(base, decode_step_overhead_s=decode_s)
     # the world's processes share this machine's cores: each gets a fraction of the measured speed
     share = min(1.0, len(os.sched_getaffinity(0)) / cfg.world)
-    params = replace(params, decode_step_overhead_s=decode_s / share)
+    params = replace(base, decode_step_overhead_s=host["decode_step_s"],
+                     micro_batch_overhead_s=host["micro_batch_overhead_s"],
+                     optimizer_step_overhead_s=host["optimizer_step_overhead_s"],
+                     allreduce_latency_s=host["allreduce_latency_s"])
     cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train)
     plan = initial_plan(job, cluster, params, cfg)
     return full, job, cluster, params, plan, {"warmup_accuracy": acc, "act_replicated": rep, "act_sharded": shard,
-                                              "gflops": flops / 1e9, "decode_step_s": decode_s}
+                                              "gflops": flops / 1e9, "decode_step_s": decode_s,
+                                              "cpu_share": share, "host": host}
 
 
 def run_policy(cfg: DemoConfig, policy: str, full, job, cluster, params, plan) -> list[dict]:
     from nereus.demo.worker import rank_main
     from nereus.executor.launch import launch
 
+    cfg = replace(cfg, budget_mb=budget_for(cfg))
     out = launch(rank_main, cfg.world, cfg, full, job, cluster, params, plan, policy, timeout_s=cfg.timeout_s,
                  pg_timeout_s=120.0)
     return out[0]
 
 
 def summarize(records: list[dict], budget_mb: float) -> dict:
+    """Measured figures of one run. Throughput on identical work: response tokens of completed steps
+    / (time of completed steps + transitions); ``wall_tokens_per_s`` divides the same tokens by all
+    the run's time (over-budget steps included), shown only beside it."""
     ok = [r for r in records if not r["oom"]]
     trans = [r for r in records if r.get("transition_s")]
-    total = sum(r["step_s"] for r in records) + sum(r.get("transition_s", 0.0) for r in records)
     t_s = sum(r.get("transition_s", 0.0) for r in records)
+    ok_s = sum(r["step_s"] for r in ok)
+    total = sum(r["step_s"] for r in records) + t_s
+    tokens = sum(r["response_len_mean"] * r["sequences"] for r in ok)
     return {"steps": len(records), "completed_steps": len(ok),
-            "mean_step_s": sum(r["step_s"] for r in ok) / len(ok) if ok else float("nan"),
+            "mean_step_s": ok_s / len(ok) if ok else float("nan"),
+            "completed_s": ok_s, "lost_s": sum(r["step_s"] for r in records if r["oom"]),
             "transition_s": t_s, "transition_fraction": t_s / total if total else 0.0,
-            "trained_tokens_per_s": sum(r["response_len_mean"] * r["sequences"] for r in ok) / total if total else 0.0,
+            "completed_tokens": tokens,
+            "tokens_per_s": tokens / (ok_s + t_s) if ok else 0.0,
+            "wall_tokens_per_s": tokens / total if total else 0.0,
             "transitions": len(trans), "verified_transitions": sum(1 for r in trans if r.get("verified")),
             "infeasible_steps": sum(1 for r in records if r["oom"]),
             "peak_mem_frac": max(r["peak_mem_frac"] for r in records),
             "transition_peak_mem_frac": max((r.get("transition_peak_mem_frac", 0.0) for r in trans), default=None),
+            "layouts": sorted({r["plan"] for r in records}),
+            "recompute_steps": sum(1 for r in records if r.get("recompute")),
             "final_response_len_mean": records[-1]["response_len_mean"], "final_reward": records[-1]["reward"],
+            "mean_reward_last5": statistics.fmean(r["reward"] for r in records[-5:]),
             "budget_mb": budget_mb}
 
 
-def run_demo(cfg: DemoConfig, log=print) -> dict:
-    from nereus.demo.report import plot, print_records, print_summary
+def correction_factors(audit_path: str | Path, bounds: tuple[float, float] = (0.25, 4.0)) -> dict[str, dict]:
+    """min / median / max over the run of each model-stage's online correction factor (measured /
+    predicted time, as the controller's calibration holds it after each step), and how many steps it
+    sat at a bound of the clamp."""
+    series: dict[str, list[float]] = {}
+    for line in Path(audit_path).read_text().splitlines():
+        cal = json.loads(line).get("calibration") or {}
+        for ms, f in (cal.get("model_stage") or {}).items():
+            series.setdefault(ms, []).append(float(f))
+    lo, hi = bounds
+    return {ms: {"min": min(v), "median": statistics.median(v), "max": max(v), "steps": len(v),
+                 "at_clamp_steps": sum(1 for f in v if f <= lo * (1 + 1e-9) or f >= hi * (1 - 1e-9))}
+            for ms, v in series.items()}
+
+
+def _label(plan) -> str:
+    from nereus.demo.worker import _layout_label
+
+    return _layout_label(plan) + (" +recompute" if any(s.config.recompute for s in plan.stages) else "")
+
+
+def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
+    """Every policy of ``cfg`` at its budget; records, summaries, factors, how each plan was chosen."""
+    from nereus.demo.policy import hindsight_plan, initial_plan, static_plan
+    from nereus.demo.report import print_records
+
+    full, job, _, params, _, _ = prep
+    budget = budget_for(cfg)
+    cfg = replace(cfg, budget_mb=budget)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    cluster = demo_cluster(cfg, flops=prep[2].gpu.peak_flops)
+    policies = policies_of(cfg)
+    plans, how, results, loads = {}, {}, {}, {}
+    for policy in policies:
+        if policy == "adaptive":
+            plans[policy] = initial_plan(job, cluster, params, cfg)
+            how[policy] = "fastest plan for the first step's workload; then the controller"
+        elif policy in ("static", "static+recompute"):
+            plans[policy], cap = static_plan(job, cluster, params, cfg, policy)
+            how[policy] = (f"fastest plan sized for cap {cap} (generation on the training layout)" if cap
+                           else "no plan fits even the first cap")
+        else:
+            if "adaptive" not in results:
+                raise ValueError("the hindsight policy is chosen from the adaptive run's lengths: run adaptive first")
+            plans[policy], scored = hindsight_plan(job, cluster, params, results["adaptive"],
+                                                   [plans.get("static"), plans.get("static+recompute")],
+                                                   cfg.recompute)
+            how[policy] = {"rule": "best total predicted time over the adaptive run's step workloads, among plans "
+                                   "that fit every step", "candidates": [
+                               {"plan": _label(c["plan"]), "predicted_run_s": c["predicted_run_s"],
+                                "fits_every_step": c["fits_every_step"]} for c in scored]}
+        if plans[policy] is None:
+            log(f"\n== {policy}: no plan fits a {budget:.1f} MiB budget; not run ==")
+            continue
+        log(f"\n== {policy} run: {cfg.steps} GRPO steps on {cfg.world} gloo processes, budget {budget:.1f} MiB "
+            f"per process ({cfg.budget_k:g} x model state); layout {_label(plans[policy])} ==")
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
+        recs = run_policy(cfg, policy, full, job, cluster, params, plans[policy])
+        for r in recs:
+            r["policy"] = policy
+        results[policy] = recs
+        loads[policy] = (load0, os.getloadavg()[0])  # a shared machine: other jobs' load during this run
+        print_records(recs, cfg)
+        log(f"{policy} run took {time.perf_counter() - t0:.1f} s wall")
+    summary = {p: {**summarize(r, budget), "host_load_1min": loads[p]} for p, r in results.items()}
+    factors = {p: correction_factors(Path(cfg.out_dir) / f"audit-{p}.jsonl") for p in results}
+    return {"budget_k": cfg.budget_k, "budget_mb": budget, "plans": {p: _label(pl) if pl else None
+                                                                      for p, pl in plans.items()},
+            "plan_choice": how, "summary": summary, "factors": factors, "records": results}
+
+
+def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = None) -> dict:
+    """One run per policy at ``cfg``'s budget, or at each ``budgets`` multiple of the model state
+    (audit logs then under ``out_dir/k<k>/``); a summary per budget, one across them, one PNG."""
+    from nereus.demo.report import plot, print_factors, print_overview, print_summary
 
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    full, job, cluster, params, plan, probe = prepare(cfg, log)
-    policies = ("adaptive", "static") if cfg.policy == "both" else (cfg.policy,)
-    results: dict[str, list[dict]] = {}
-    for policy in policies:
-        log(f"\n== {policy} run: {cfg.steps} GRPO steps on {cfg.world} gloo processes, budget {cfg.budget_mb:g} MB "
-            f"per process ==")
-        t0 = time.perf_counter()
-        results[policy] = run_policy(cfg, policy, full, job, cluster, params, plan)
-        print_records(results[policy], cfg)
-        log(f"{policy} run took {time.perf_counter() - t0:.1f} s wall")
-    summary = {p: summarize(r, cfg.budget_mb) for p, r in results.items()}
-    print_summary(summary)
-    png = plot(results, cfg, Path(cfg.out_dir) / "demo.png")
-    out = {"steps": cfg.steps, "initial_plan": plan.to_dict(), "probe": probe, "summary": summary,
-           "records": results, "plot": str(png)}
-    (Path(cfg.out_dir) / "demo-run.json").write_text(json.dumps(out, indent=2, default=str))
-    log(f"\nplot: {png}\nper-step records: {Path(cfg.out_dir) / 'demo-run.json'}\n"
-        f"audit logs: {', '.join(str(Path(cfg.out_dir) / f'audit-{p}.jsonl') for p in results)}")
+    t_start = time.perf_counter()
+    prep = prepare(cfg, log)
+    runs = []
+    for k in budgets or (None,):
+        bcfg = cfg if k is None else replace(cfg, budget_k=k, budget_mb=None,
+                                             out_dir=str(Path(cfg.out_dir) / f"k{k:g}"))
+        res = run_budget(bcfg, prep, log)
+        print_summary(res["summary"], f"budget {res['budget_mb']:.1f} MiB per process ({bcfg.budget_k:g} x model state)")
+        print_factors(res["factors"])
+        runs.append(res)
+    if len(runs) > 1:
+        print_overview(runs)
+    png = plot(runs, cfg, Path(cfg.out_dir) / "demo.png")
+    probe = prep[5]
+    out = {"steps": cfg.steps, "world": cfg.world, "cap_schedule": [list(c) for c in cfg.cap_schedule],
+           "budget_rule": "budget = k x per-process model state of the plainest layout (fp32 actor params + grads + "
+                          "ZeRO-1 Adam moments + ref params, DP over the world)",
+           "model_state_mib": state_bytes(cfg.world) / MiB, "probe": probe, "clamp": [0.25, 4.0],
+           "wall_s": time.perf_counter() - t_start, "plot": str(png),
+           "budgets": [{k: v for k, v in r.items() if k != "records"} for r in runs]}
+    (Path(cfg.out_dir) / "demo-run.json").write_text(json.dumps(
+        {**out, "records": [{"budget_k": r["budget_k"], "records": r["records"]} for r in runs]}, indent=2, default=str))
+    log(f"\nplot: {png}\nper-step records: {Path(cfg.out_dir) / 'demo-run.json'}")
     return out

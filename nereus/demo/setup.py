@@ -1,10 +1,13 @@
 """The demo's job, "cluster" and cost parameters: a real GRPO run on CPU processes that stand in
 for GPUs, each with a stated memory budget enforced by the executor's accounting.
 
-The model is small enough for 2 CPU cores; the budget is set so the initial layout (the fastest
-one for short responses) stops fitting as responses grow. The analytic cost model is pointed at
-this hardware: FLOP/s and memory bandwidth from the CPU profile when one was measured
-(``nereus calibrate``), activation bytes from a probe of the real model (``probe_activations``).
+The model is small enough for 2 CPU cores. The memory budget follows one rule, fixed before any
+run (``budget_for``): ``k`` times the per-process model state of the plainest layout (actor params,
+gradients and ZeRO-1 Adam moments, reference params, all fp32, data-parallel over the world), for
+k = 1.5, 2 (the default) and 3: the state takes two thirds, half or a third of "device" memory,
+the rest is for KV cache and activations. The analytic cost model is pointed at these processes:
+FLOP/s and decode-step time from a probe of the real model, activation bytes from
+``probe_activations``, per-micro-batch and optimizer-step host overheads from ``probe.py``.
 """
 from __future__ import annotations
 
@@ -28,10 +31,16 @@ DEMO_MODEL = ModelSpec(name="demo-4l-128h", layers=4, hidden=128, ffn=384, heads
 class DemoConfig:
     steps: int = 30
     world: int = 4
-    budget_mb: float = 16.0
-    """Per-process device-memory budget (MiB), enforced by the executor's accounting."""
-    policy: str = "both"
-    """"adaptive", "static" or "both" (adaptive, then the same run under static)."""
+    budget_mb: float | None = None
+    """Per-process device-memory budget (MiB), enforced by the executor's accounting; None:
+    ``budget_k`` x the model state (``budget_for``)."""
+    budget_k: float = 2.0
+    """The budget as a multiple of the per-process model state (``state_bytes``)."""
+    policy: str = "all"
+    """One of ``POLICIES``, "all" (every one, adaptive first) or "both" (adaptive and static)."""
+    recompute: bool = True
+    """Full activation recomputation among the candidates of every policy but static (off: only
+    layout changes relieve memory, as tests of transitions want)."""
     seed: int = 0
     prompts: int = 8
     samples: int = 4
@@ -51,6 +60,36 @@ class DemoConfig:
     ``verified: False``, and the run go on in the old layout."""
 
 
+POLICIES = ("adaptive", "static", "static+recompute", "hindsight")
+"""adaptive: the online controller, free to change layout. static: one layout for the whole run, the
+one a user would pick before it (``policy.static_plan``). static+recompute: the same choice with
+activation recomputation allowed. hindsight: the best single layout for the run, chosen knowing the
+response lengths the adaptive run produced (``policy.hindsight_plan``)."""
+
+
+def policies_of(cfg: DemoConfig) -> tuple[str, ...]:
+    if cfg.policy == "all":
+        return POLICIES
+    if cfg.policy == "both":
+        return ("adaptive", "static")
+    return (cfg.policy,)
+
+
+def state_bytes(world: int) -> float:
+    """Per-process bytes of model state in the plainest layout (TP 1, data-parallel over
+    ``world``, ZeRO-1), fp32: actor params 4 + grads 4 + Adam moments 8 / world bytes per param,
+    reference params 4 bytes per param."""
+    n = DEMO_MODEL.num_params()
+    return n * (4 + 4 + 8 / world + 4)
+
+
+def budget_for(cfg: DemoConfig) -> float:
+    """Per-process budget (MiB): ``budget_mb`` when given, else ``budget_k`` x ``state_bytes``."""
+    if cfg.budget_mb is not None:
+        return cfg.budget_mb
+    return cfg.budget_k * state_bytes(cfg.world) / MiB
+
+
 def cap_at(cfg: DemoConfig, step: int) -> int:
     """Response-length cap in force at ``step``."""
     cap = cfg.cap_schedule[0][1]
@@ -68,8 +107,8 @@ def demo_job(cfg: DemoConfig) -> JobSpec:
 
 
 def demo_cluster(cfg: DemoConfig, flops: float = 2e10, mem_bw: float = 5e9, link_gbps: float = 1.0) -> ClusterSpec:
-    """One "node" of ``world`` CPU processes, each with ``budget_mb`` of device memory."""
-    gpu = GPUSpec(name="cpu-process", memory_gib=cfg.budget_mb / 1024, tflops_bf16=flops / 1e12,
+    """One "node" of ``world`` CPU processes, each with ``budget_for(cfg)`` MiB of device memory."""
+    gpu = GPUSpec(name="cpu-process", memory_gib=budget_for(cfg) / 1024, tflops_bf16=flops / 1e12,
                   hbm_tbps=mem_bw / 1e12, intra_node_gbps=link_gbps, inter_node_gbps=link_gbps, reserved_gib=0.0)
     return ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=cfg.world)
 

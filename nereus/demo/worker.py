@@ -24,7 +24,7 @@ from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
 from nereus.errors import TransitionError
 from nereus.executor.apply import RolledBack, apply_transition
-from nereus.executor.engine import Engine
+from nereus.executor.engine import Engine, warm_recompute
 from nereus.executor.layout import stored
 from nereus.executor.memory import MemoryMeter
 from nereus.executor.optim import AdamW
@@ -109,6 +109,7 @@ class _Run:
                  policy: str) -> None:
         self.rank, self.world, self.cfg, self.job, self.cluster = rank, world, cfg, job, cluster
         self.plan, self.policy = plan, policy
+        warm_recompute()  # a one-time import cost, paid before the run rather than in a step
         self.task = CountingTask()
         self.store = ShardStore()
         self.actor = Engine(rank, world, DEMO_MODEL, plan.home("actor"), self.store, role="actor", trainable=True,
@@ -199,7 +200,8 @@ class _Run:
                 "loss": loss, "oom": oom, "oom_phase": phase if oom else "", "stage_times": times,
                 "step_s": time.perf_counter() - t_step, "peak_mem_bytes": peak,
                 "peak_mem_frac": peak / (cfg.budget_mb * 1024**2), "plan": _layout_label(self.plan),
-                "cap": cap, "next_cap": cap_at(cfg, step + 1), "sequences": int(prompts.shape[0])}
+                "cap": cap, "next_cap": cap_at(cfg, step + 1), "sequences": int(prompts.shape[0]),
+                "recompute": self.plan.stage("actor/training").config.recompute}
 
     def decide(self, rec: dict) -> dict:
         """Rank 0 asks the controller; every rank applies its answer (a transition raises

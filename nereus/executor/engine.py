@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from nereus.errors import SpecError
 from nereus.executor import model as M
@@ -37,6 +38,14 @@ from nereus.models.inventory import pp_layer_range, split_range
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import StagePlacement
 from nereus.planner.transition.types import TransitionPlan
+
+
+def warm_recompute() -> None:
+    """Run full recomputation once on a toy tensor: the first backward through torch's checkpoint in
+    a process imports torch.fx's symbolic-shape machinery (about a second on a CPU), which would
+    otherwise land in the first training step that recomputes."""
+    x = torch.zeros(1, requires_grad=True)
+    torch.utils.checkpoint.CheckpointFunction.apply(lambda t: t * 2, False, x).sum().backward()
 
 
 class Engine:
@@ -108,13 +117,26 @@ class Engine:
         """Embedding (first stage), this stage's blocks, and the head (last stage)."""
         if self.g.first_stage:
             x = M.embed(x, self.w, self.vocab_lo, self.g.tp_group)
+        recompute = self.placement.config.recompute and cache is None and torch.is_grad_enabled() and x.requires_grad
         for i in self.layers:
-            x = M.block(x, self.w, i, self.model, self.g.tp_group, cache)
+            if recompute:  # full recomputation: keep each block's input, rerun the block in backward
+                # torch's reentrant checkpoint without its dynamo-disabling wrapper (whose first call
+                # imports torch._dynamo: seconds); no RNG inside a block, so no RNG state to keep
+                x = torch.utils.checkpoint.CheckpointFunction.apply(self._recomputed_block, False, x, i)
+            else:
+                x = M.block(x, self.w, i, self.model, self.g.tp_group, cache)
         if not self.g.last_stage:
             return x
         if self.value_model:
             return M.value_head(x, self.w, self.model.norm_eps)
         return M.head(x, self.w, self.g.tp_group, self.model.norm_eps)
+
+    def _recomputed_block(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Block ``i`` under full recomputation: run without autograd in the forward pass, again in
+        backward, where the meter counts the one block's activations alive at a time."""
+        scope = self.meter.recomputed() if self.meter is not None else contextlib.nullcontext()
+        with scope:
+            return M.block(x, self.w, i, self.model, self.g.tp_group, None)
 
     def _pipe_forward(self, ids: torch.Tensor, cache: M.KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run this stage on one micro-batch: (stage input needing grad or None, stage output)."""

@@ -60,6 +60,30 @@ class MemoryMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
+    @contextlib.contextmanager
+    def recomputed(self) -> Iterator[None]:
+        """A recomputed block (full recomputation): its first run saves nothing (no autograd); its
+        rerun in backward saves the block's activations, counted on top of what the forward kept
+        (the block inputs), and dropped from the count when the block ends (backward frees them
+        before the next block is rerun)."""
+        if not torch.is_grad_enabled():
+            yield
+            return
+        block: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                key = t.untyped_storage().data_ptr()
+                if key not in block and key not in self._saved and key not in self.exclude:
+                    block[key] = t.untyped_storage().nbytes()
+                    self.observe(sum(self._saved.values()) + sum(block.values()))
+            except RuntimeError:
+                pass
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
     def release_activations(self) -> None:
         self._saved.clear()
         self.transient = 0

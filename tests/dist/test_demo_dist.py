@@ -12,7 +12,7 @@ from nereus.demo.setup import DemoConfig
 @pytest.mark.dist
 def test_adaptive_switches_before_the_cap_raise_and_verifies(tmp_path):
     cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 96)), warmup_steps=4,
-                     prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300)
+                     prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300, recompute=False)
     full, job, cluster, params, plan, _ = prepare(cfg, log=lambda *_: None)
     records = run_policy(cfg, "adaptive", full, job, cluster, params, plan)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
@@ -38,7 +38,7 @@ def test_a_transition_whose_bytes_fail_verification_rolls_back_and_is_recorded_u
     from nereus.executor.apply import FaultSpec
 
     cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 96)), warmup_steps=4,
-                     prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300,
+                     prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300, recompute=False,
                      fault=FaultSpec(rank=1, round=0, kind="corrupt-copy"))
     full, job, cluster, params, plan, _ = prepare(cfg, log=lambda *_: None)
     records = run_policy(cfg, "adaptive", full, job, cluster, params, plan)
@@ -50,3 +50,54 @@ def test_a_transition_whose_bytes_fail_verification_rolls_back_and_is_recorded_u
     assert len({r["plan"] for r in records}) == 1  # every step ran in the initial layout
     s = summarize(records, cfg.budget_mb)
     assert s["transitions"] == len(tried) and s["verified_transitions"] == 0
+
+
+def _rec(step, *, oom, step_s, mean, transition_s=0.0):
+    return {"step": step, "oom": oom, "step_s": step_s, "response_len_mean": mean, "sequences": 8, "reward": 1.0,
+            "peak_mem_frac": 0.5, "plan": "at:tp1dp2", "transition_s": transition_s}
+
+
+def test_throughput_counts_completed_steps_only():
+    """Tokens of completed steps over the time of completed steps (and transitions): an over-budget
+    step adds neither; dividing by all the run's time would give 800 / 110 here, not 800 / 10."""
+    records = [_rec(0, oom=False, step_s=4.0, mean=50.0), _rec(1, oom=True, step_s=100.0, mean=60.0),
+               _rec(2, oom=False, step_s=5.0, mean=50.0, transition_s=1.0)]
+    s = summarize(records, 10.0)
+    assert s["completed_tokens"] == 800.0
+    assert s["tokens_per_s"] == pytest.approx(800.0 / 10.0)
+    assert s["wall_tokens_per_s"] == pytest.approx(800.0 / 110.0)
+    assert s["lost_s"] == 100.0 and s["completed_steps"] == 2 and s["infeasible_steps"] == 1
+
+
+@pytest.mark.dist
+def test_every_baseline_runs_beside_adaptive_and_the_factors_are_reported_off_the_clamp(tmp_path):
+    """One short run of every policy: the JSON has each with throughput on completed steps,
+    static never recomputes while static+recompute may, hindsight keeps one layout for the whole
+    run, and the online correction factors are reported per model-stage, away from the clamp."""
+    from nereus.demo.policy import candidates_for
+    from nereus.demo.run import run_demo
+    from nereus.demo.setup import POLICIES
+
+    cfg = DemoConfig(steps=4, world=2, cap_schedule=((0, 8), (2, 96)), warmup_steps=4, prompts=4, samples=2,
+                     out_dir=str(tmp_path), timeout_s=300)
+    out = run_demo(cfg, log=lambda *_: None)
+    run = json.loads((tmp_path / "demo-run.json").read_text())
+    b = out["budgets"][0]
+    assert set(b["summary"]) == set(POLICIES), b["plans"]
+    for policy, recs in run["records"][0]["records"].items():
+        s = b["summary"][policy]
+        ok = [r for r in recs if not r["oom"]]
+        time_ok = sum(r["step_s"] for r in ok) + sum(r.get("transition_s", 0.0) for r in recs)
+        assert s["tokens_per_s"] == pytest.approx(sum(r["response_len_mean"] * r["sequences"] for r in ok) / time_ok)
+    assert True in candidates_for("static+recompute").recompute and True not in candidates_for("static").recompute
+    assert b["summary"]["static"]["recompute_steps"] == 0
+    hind = run["records"][0]["records"]["hindsight"]
+    assert len({r["plan"] for r in hind}) == 1 and not any(r.get("transition_s") for r in hind)
+    assert b["plans"]["hindsight"].startswith(hind[0]["plan"])
+    assert b["plan_choice"]["hindsight"]["candidates"]
+    lo, hi = out["clamp"]
+    for policy in POLICIES:
+        factors = b["factors"][policy]
+        assert set(factors) == {"actor/generation", "actor/inference", "ref/inference", "actor/training"}
+    for ms, f in b["factors"]["adaptive"].items():
+        assert lo < f["median"] < hi and f["at_clamp_steps"] < f["steps"], (ms, f)

@@ -109,3 +109,25 @@ def test_the_observed_tail_of_the_response_lengths_enters_the_calibration(env):
     short, long = calibrated(1.2 * mean), calibrated(0.9 * mx)
     assert short != pytest.approx(long, rel=1e-6), (short, long)
     assert calibrated(10 * mx) == pytest.approx(calibrated(float(mx)), rel=1e-12)
+
+
+def test_a_memory_underestimate_on_a_small_device_reserves_about_the_underestimate_not_most_of_the_device():
+    """The demo's 1.5 x budget (17 MiB "devices"): a 1 GiB rounding quantum, capped at 75% of the
+    device, turned any underestimate into a reserve of 12.9 MiB, and no plan fitted again. The quantum
+    is now 1/64 of the device where that is under 1 GiB."""
+    from nereus.demo.setup import DemoConfig, demo_cluster, demo_job, demo_params
+
+    cfg = DemoConfig(budget_k=1.5)
+    job, cluster = demo_job(cfg), demo_cluster(cfg)
+    ctl = Controller(job, cluster, params=demo_params(0.0, 0.0), transition_cost_fn=lambda a, b: 1.0, horizon=10,
+                     build_transition=False, time_limit_s=5)
+    usable = cluster.gpu.usable_bytes / 2**30
+    w = job.workload()
+    pred = ctl._times(ctl.plan, w)
+    peak = max(v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation"))
+    under = 0.02 * usable  # 2% of the device over the prediction
+    ctl.step(StepMetrics(step=0, response_len_mean=w.response_len_mean, response_len_max=w.response_len_max,
+                         stage_times={s.name: 0.1 for s in ctl.plan.stages}, peak_mem_gib=peak + under))
+    q = usable / 64
+    assert under <= ctl.calibration.reserve_gib <= under + q + 1e-12, (ctl.calibration.reserve_gib, usable)
+    assert ctl.calibration.reserve_gib < 0.1 * usable

@@ -244,6 +244,15 @@ def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool
     return m, b * s_mean, (b - 1) * s_mean + longest
 
 
+def _computed(w: Workload, cfg: ParallelConfig, mb_tokens: float, s_sq: float, padded: bool) -> tuple[float, float]:
+    """(tokens computed, E[s^2]) of the batch: a padded batch computes every row to the batch's
+    expected longest (``mb_tokens`` / micro-batch sequences), not to its own length."""
+    if not padded:
+        return w.tokens, s_sq
+    longest = mb_tokens / max(1, cfg.micro_batch)
+    return w.sequences * longest, longest * longest
+
+
 def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
               w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, dp, sp = cfg.tp, cfg.pp, cfg.dp, cfg.sp
@@ -253,10 +262,12 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     gpu = cluster.gpu
     # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
     n_factor = 8 if cfg.recompute else 6
-    attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
-    tokens = padded_tokens(w, o.pad_to)
-    flops = n_factor * model.matmul_params() * tokens * E
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded, o.pad_to)
+    # a padded batch computes every row to its longest; pad_to: every row to a fixed width (attention
+    # stays at the real lengths there: padded_tokens)
+    tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if job.sequence.padded else (padded_tokens(w, o.pad_to), s_sq)
+    attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
+    flops = n_factor * model.matmul_params() * tokens * E
     eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
     compute = flops / (cfg.gpus * gpu.peak_flops * eff) + attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
@@ -284,6 +295,10 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
         t["optimizer_offload"] = optimizer_offload_s(opt_share, p)
     if cfg.zero >= 3:
         t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p)
+    if p.micro_batch_overhead_s or p.optimizer_step_overhead_s:  # host overheads (0 on the GPU presets)
+        passes = 4 if cfg.recompute else 3  # forward, backward (2x), and the forward again when recomputing
+        t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * math.ceil(L / pp) / L
+                         + E * M * p.optimizer_step_overhead_s)
     # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
     resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
@@ -291,7 +306,10 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     layers_here = math.ceil(L / pp)
     tok = mb_worst / sp
     if cfg.recompute:
-        act = in_flight * layers_here * tok * 2 * h / tp + tok * act_tok_layer
+        # the kept block inputs: split over TP with sequence parallelism, replicated where the
+        # measured activations say the executor replicates the residual (no SP)
+        kept_tp = 1 if p.act_bytes_replicated else tp
+        act = in_flight * layers_here * tok * model.dtype_bytes * h / kept_tp + tok * act_tok_layer
     else:
         act = in_flight * layers_here * tok * act_tok_layer
     vocab_out = model.vocab / tp if head == "lm" else 1
@@ -311,10 +329,10 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
     tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
-    attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
-    tokens = padded_tokens(w, o.pad_to)
-    flops = 2 * model.matmul_params() * tokens
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
+    tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if padded else (padded_tokens(w, o.pad_to), s_sq)
+    attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
+    flops = 2 * model.matmul_params() * tokens
     eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / sp * h * model.ffn / tp)
     peak = cfg.gpus * cluster.gpu.peak_flops
     compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
@@ -331,6 +349,8 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
                                              bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
     if cfg.zero >= 3:
         t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p)
+    if p.micro_batch_overhead_s:  # host overhead per micro-batch forward (0 on the GPU presets)
+        t["overhead"] = m * p.micro_batch_overhead_s * math.ceil(L / pp) / L
     resident = {"weights": model.dtype_bytes * psi}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)

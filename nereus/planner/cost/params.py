@@ -53,6 +53,15 @@ class CostParams:
     decode_overhead_per_seq_s: float = 2e-5
     """Growth of the per-iteration overhead with each running sequence (batch preparation,
     sampling, detokenisation in the scheduler's Python)."""
+    micro_batch_overhead_s: float = 0.0
+    """Fixed host-side cost of one forward pass of one micro-batch on one GPU, whatever its size
+    (Python dispatch, kernel launches, framework bookkeeping); a training micro-batch pays it three
+    times (forward and backward), four with full recomputation. Negligible on a GPU with large
+    micro-batches (default 0), it is most of a micro-batch's time on CPU processes running a tiny
+    model (the demo measures it)."""
+    optimizer_step_overhead_s: float = 0.0
+    """Fixed cost of one optimizer step on one GPU beyond its bytes: one update and (ZeRO) one
+    all-gather launched per parameter tensor (default 0; the demo measures it)."""
     engine_overhead: tuple[tuple[str, float, float], ...] = ()
     """Per-engine (engine, overhead at batch 1 s, per-sequence s) fitted from published decode
     tables; an engine not listed uses the two fields above."""

@@ -27,7 +27,7 @@ calibration learned; a plan that ran out of memory is out.
 
 Candidates come from the plan solver for the forecast workload, cached by workload bucket
 (log-spaced response-length buckets, GPU count, cap, quantized calibration, the memory reserve on a
-4 GiB grid): a step whose bucket is cached does not re-solve and costs a few milliseconds; a re-solve
+grid of 4 memory quanta, 4 GiB on a large GPU): a step whose bucket is cached does not re-solve and costs a few milliseconds; a re-solve
 is warm-started from the current plan. Besides the fastest plan, the solver is asked for the best
 plan with the current plan's pools and TP/PP kept (cheap to reach: only DP-internal knobs change),
 and the fastest plan comes with its other generation TPs (scored with the learned corrections,
@@ -183,6 +183,12 @@ class Controller:
             self._cap = int(m.response_len_max)
         return self._cap
 
+    def _mem_quantum(self) -> float:
+        """The step, in GiB, by which memory reserves are rounded up: 1 GiB, or 1/64 of a GPU's usable
+        memory where that is less (a 1 GiB quantum on a device of a few GiB, or the demo's MiB
+        budgets, would reserve most of it for any underestimate)."""
+        return min(1.0, self.cluster.gpu.usable_bytes / GiB / 64)
+
     def _observed_workload(self, m: StepMetrics) -> Workload:
         b = self._base_w
         mx = max(int(m.response_len_max), int(math.ceil(m.response_len_mean)))
@@ -233,14 +239,15 @@ class Controller:
         peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
         usable = self.cluster.gpu.usable_bytes / GiB
         key = plan_key(self.plan)
+        q = self._mem_quantum()
         if m.oom:
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
             peak = pred.peak_mem_gib[stage] if stage else max(pred.peak_mem_gib.values())
-            self.calibration.update_memory(None, peak, oom=True, memory_gib=usable)
+            self.calibration.update_memory(None, peak, oom=True, memory_gib=usable, step_gib=q)
             self._plan_reserve[key] = usable  # this plan is out
         elif m.peak_mem_gib is not None and peaks:
-            self.calibration.update_memory(float(m.peak_mem_gib), max(peaks.values()), memory_gib=usable)
-            under = math.ceil(max(0.0, float(m.peak_mem_gib) - max(peaks.values())))
+            self.calibration.update_memory(float(m.peak_mem_gib), max(peaks.values()), memory_gib=usable, step_gib=q)
+            under = q * math.ceil(max(0.0, float(m.peak_mem_gib) - max(peaks.values())) / q)
             self._plan_reserve[key] = max(self._plan_reserve.get(key, 0.0), float(under))
         if not m.oom and m.stage_times:  # evidence: this plan ran at this cap and mean length
             cap_mean = self._ran_ok.get(key)
@@ -347,9 +354,10 @@ class Controller:
         else:
             params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
         try:
-            # the solver plans with the memory reserve on a 4 GiB grid (rounded up): a reserve that
+            # the solver plans with the memory reserve on a grid of 4 quanta (rounded up): a reserve that
             # creeps up by a GiB does not re-solve everything
-            reserve = 4.0 * math.ceil(self._reserve / 4.0)
+            grid = 4.0 * self._mem_quantum()
+            reserve = grid * math.ceil(self._reserve / grid)
             p = self.plans.best(rule, self._solver_workload(w), self.gpus, params, ckey, hint=self.plan,
                                 reserve_gib=reserve)
         except NereusError:

@@ -1,0 +1,107 @@
+"""Host overheads of the demo's processes, measured on the run's own ``world`` gloo processes
+before the initial plan is chosen (``probe_world``).
+
+On CPU processes sharing a few cores, a tiny model's training micro-batch costs mostly a fixed
+amount (Python dispatch, autograd bookkeeping, ranks waiting on each other), not FLOPs, and an
+optimizer step mostly the per-tensor ZeRO all-gathers. The analytic cost model has no term for
+either unless told (``CostParams.micro_batch_overhead_s``, ``optimizer_step_overhead_s``); without
+them it predicted training 10-25x too fast and the online correction factors sat at their clamp.
+
+Method, on a DP=world, TP=1, ZeRO-1 actor with the run's batch (the memory meter attached, as in the
+run): the same batch trained at micro-batch 1 and at one micro-batch per rank; the difference per
+extra micro-batch, divided by 3 (forward + backward = 3 forward passes), is the per-pass overhead.
+The optimizer step is timed on its own; so is a decode step of the batch on these processes (what
+``CostParams.decode_step_overhead_s`` is set to: the processes share cores, so one process alone
+decodes faster than the world does); a one-float all-reduce over the world gives the latency of
+one collective step (``CostParams.allreduce_latency_s``: TP all-reduces in every layer of every
+decode step). Each figure is the fastest of ``repeats`` tries (as ``run.measure_speed``): what the
+processes do when other jobs on the machine leave them alone; the online factors carry the rest.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeats: int, decode_steps: int = 16) -> dict:
+    import torch.distributed as dist
+
+    from nereus.demo.setup import DEMO_MODEL
+    from nereus.demo.worker import _fill
+    from nereus.executor.engine import Engine
+    from nereus.executor.memory import MemoryMeter
+    from nereus.executor.optim import AdamW
+    from nereus.executor.store import ShardStore
+    from nereus.planner.plan import StagePlacement
+    from nereus.planner.specs import ParallelConfig
+
+    per_rank = max(1, sequences // world)
+    ids = torch.randint(1, DEMO_MODEL.vocab, (per_rank * world, length), generator=torch.Generator().manual_seed(0))
+    out: dict[str, list[float]] = {"train_mb1": [], "train_mbn": [], "optimizer": [], "infer_mb1": [], "infer_mbn": []}
+    for mb in (1, per_rank):
+        place = StagePlacement(name="actor/training", config=ParallelConfig(tp=1, pp=1, dp=world, micro_batch=mb, zero=1),
+                               pool=0, first_gpu=0, gpus=world)
+        eng = Engine(rank, world, DEMO_MODEL, place, ShardStore(), role="actor", trainable=True, optim=AdamW(lr=0.0))
+        _fill(eng, full)
+        eng.meter = MemoryMeter(None)
+        opt = eng._optimizer_step
+        opt_s = [0.0]
+
+        def timed_opt() -> None:
+            t0 = time.perf_counter()
+            opt()
+            opt_s[0] = time.perf_counter() - t0
+
+        eng._optimizer_step = timed_opt
+        tag = "mb1" if mb == 1 else "mbn"
+        for i in range(repeats + 1):  # the first try warms up
+            dist.barrier()
+            t0 = time.perf_counter()
+            eng.train_step(ids)
+            dist.barrier()
+            t_train = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            eng.logprobs(ids)
+            dist.barrier()
+            t_infer = time.perf_counter() - t0
+            if i:
+                out[f"train_{tag}"].append(t_train)
+                out[f"infer_{tag}"].append(t_infer)
+                if mb != 1:
+                    out["optimizer"].append(opt_s[0])
+    # decode steps of the whole batch on the same processes (prefill included, no early stop)
+    prompts = ids[:, :4]
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        eng.generate(prompts, decode_steps, temperature=1.0, seed=i)
+        dist.barrier()
+        if i:
+            out.setdefault("decode_step", []).append((time.perf_counter() - t0) / decode_steps)
+    tiny = torch.zeros(1)
+    for i in range(4 * repeats + 1):  # one small all-reduce over the world: a collective's latency
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(tiny)
+        if i:
+            out.setdefault("allreduce", []).append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in out.items() if v} | {"micro_batches": per_rank}
+
+
+def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
+    """Measured host overheads of ``world`` processes: ``micro_batch_overhead_s`` (one forward pass
+    of one micro-batch), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``decode_step_s``
+    and the raw timings they come from."""
+    from nereus.executor.launch import launch
+
+    r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0)[0]
+    n = r["micro_batches"]
+    extra = max(1, n - 1)
+    train_pass = max(0.0, (r["train_mb1"] - r["train_mbn"]) / extra / 3)
+    infer_pass = max(0.0, (r["infer_mb1"] - r["infer_mbn"]) / extra)
+    steps = 2 * math.ceil(math.log2(world))  # what the cost model's small all-reduce pays (allreduce_s)
+    return {"micro_batch_overhead_s": train_pass, "infer_micro_batch_overhead_s": infer_pass,
+            "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": r["allreduce"] / steps,
+            "decode_step_s": r["decode_step"], "timings": r}
