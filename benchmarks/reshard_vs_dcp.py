@@ -26,7 +26,17 @@ three ways in one run:
      it), every Nereus repeat is warm (the recording transition came first).
 Both Nereus's and DCP's results are compared bit for bit with the seeded reference.
 
-    .venv/bin/python benchmarks/reshard_vs_dcp.py [--json OUT] [--layers 8] [--hidden 512]
+    .venv/bin/python benchmarks/reshard_vs_dcp.py [--json OUT] [--shapes 8l-512h,2l-1024h,llama-bf16]
+    .venv/bin/python benchmarks/reshard_vs_dcp.py --layers 1 --hidden 64 --arch llama --precision bf16-mixed
+    .venv/bin/python benchmarks/reshard_vs_dcp.py --backend nccl --world 2     # on GPUs, one rank per GPU
+
+One run covers every shape of ``SHAPES`` (two reference-transformer shapes in fp32 and a Hugging
+Face Llama in bf16 with fp32 master and Adam moments) and reports per shape the three goals of
+``TARGETS``: at least 3x faster than DCP, at most 1.25x the floor, the first transition at most
+1.5x a warm one. Each rank reserves the transition's arena at start (``apply.reserve_arena``,
+timed as ``arena_reserve_s``; ``--no-reserve`` for a cold first transition) before the first
+transition (``nereus_first_s``). The JSON keeps the first shape's figures at the top level (the
+earlier format) and adds ``shapes`` (every shape's), ``targets`` and ``targets_met_on_every_shape``.
 
 The default model (8 layers, hidden 512: 334 MB of state) has TP4 shards of 128-720 KiB (fp32);
 ``--layers 2 --hidden 1024`` (384 MB) and ``--layers 1 --hidden 2048`` (768 MB) have shards of
@@ -62,12 +72,23 @@ def bench_model(layers: int, hidden: int) -> ModelSpec:
                      heads=8, kv_heads=4, vocab=4096, head_dim=hidden // 8)
 
 
+DEV = [torch.device("cpu")]
+"""This rank's device (``launch.rank_device``: ``cuda:<local rank>`` under NCCL)."""
+
+
+def _sync() -> None:
+    if DEV[0].type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
+    _sync()
     dist.barrier()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=DEV[0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -88,18 +109,20 @@ def _dtensor_state(regions, placement, mesh, model):
     return out
 
 
-def _nereus_messages(store_a, tplan, rank: int) -> tuple[dict[str, list[tuple]], float]:
+def _nereus_messages(store_a, tplan, rank: int, reserve: bool = True) -> tuple[dict[str, list[tuple]], float, float]:
     """Every data message this rank posts in a Nereus transition of ``tplan``, in posting order,
     and the seconds that transition took (the first of the process: new host memory; on a copy
-    of the state, through a transport that records what it posts). Sends are (peer, bytes, key):
+    of the state, through a transport that records what it posts), and the seconds
+    ``reserve_arena`` took before it (the job's start: the arena reserved once, so the first
+    transition reuses warm memory; 0 with ``reserve=False``). Sends are (peer, bytes, key):
     key identifies a message sent in place from a source region (Nereus checksums such a message
     once however many peers it goes to), None for a packed one; receives are (peer, bytes)."""
-    from nereus.executor.apply import apply_transition
+    from nereus.executor.apply import apply_transition, reserve_arena
     from nereus.executor.store import ShardStore
     from nereus.executor.transport import DistTransport
 
     seen: dict[str, list[tuple]] = {"send": [], "recv": []}
-    store = ShardStore()
+    store = ShardStore(DEV[0])
     for r, t in store_a.items():
         store.put(r, t.clone())
     sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
@@ -117,13 +140,20 @@ def _nereus_messages(store_a, tplan, rank: int) -> tuple[dict[str, list[tuple]],
             seen["recv"] += [(p, nbytes(b)) for p, b in recvs if b.dtype != torch.int64]
             return super()._post_recvs(recvs)
 
+        def _post_together(self, sends, recvs):  # NCCL posts an exchange as one batch
+            seen["send"] += [(p, nbytes(b), (b.data_ptr(), nbytes(b)) if b.untyped_storage().data_ptr() in sources
+                              else None) for p, b in sends if b.dtype != torch.int64]
+            seen["recv"] += [(p, nbytes(b)) for p, b in recvs if b.dtype != torch.int64]
+            return super()._post_together(sends, recvs)
+
+    reserve_s = _timed(lambda: reserve_arena(store, tplan, rank)) if reserve else 0.0
     first_s = _timed(lambda: apply_transition(store, tplan, rank, Recording(rank), timeout_s=300))
-    return seen, first_s
+    return seen, first_s, reserve_s
 
 
 def _bytes(n: int) -> torch.Tensor:
     """``n`` random bytes (real values: untouched pages would be read from the zero page)."""
-    return torch.randint(0, 256, (n,), dtype=torch.uint8)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV[0])
 
 
 def _message_buffers(posted: dict) -> tuple[list, list, set[int]]:
@@ -140,7 +170,7 @@ def _message_buffers(posted: dict) -> tuple[list, list, set[int]]:
         else:
             buf = by_key[key]
         sends.append((peer, buf))
-    recvs = [(peer, torch.empty(n, dtype=torch.uint8)) for peer, n in posted["recv"]]
+    recvs = [(peer, torch.empty(n, dtype=torch.uint8, device=DEV[0])) for peer, n in posted["recv"]]
     return sends, recvs, hash_at
 
 
@@ -150,7 +180,7 @@ def _unique_send_bytes(tplan, rank: int) -> int:
 
 
 def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: dict, local_bytes: dict, tmp: str,
-               repeat: int) -> dict:
+               repeat: int, precision: str = "fp32", reserve: bool = True) -> dict:
     """Best of ``repeat`` for each method. The methods are interleaved within each repetition
     (DCP, the three Nereus variants in rotating order, raw, the two floors), so a change of
     machine load hits all of them alike;
@@ -166,29 +196,31 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
     import nereus.executor.apply as apply_mod
     import nereus.executor.store as store_mod
     from nereus.executor.apply import apply_transition
+    from nereus.executor.launch import rank_device
     from nereus.executor.layout import rank_regions
     from nereus.executor.scenario import init_store, mismatches
-    from nereus.executor.store import ShardStore, checksum
+    from nereus.executor.store import TORCH_DTYPES, ShardStore, checksum, checksums_of, device_hash
     from nereus.executor.transport import DistTransport
 
     torch.set_num_threads(1)
+    DEV[0] = dev = rank_device()
     model = job.model("actor")
     a, b = plan_a.home("actor"), plan_b.home("actor")
-    mesh_a = init_device_mesh("cpu", (a.config.tp,))
-    mesh_b = init_device_mesh("cpu", (b.config.dp, b.config.tp), mesh_dim_names=("dp", "tp"))
-    store_a = ShardStore()
-    init_store(store_a, job, plan_a, rank, 0, roles=("actor",))
-    regions_b = rank_regions(model, b, rank, "actor", True)
+    mesh_a = init_device_mesh(dev.type, (a.config.tp,))
+    mesh_b = init_device_mesh(dev.type, (b.config.dp, b.config.tp), mesh_dim_names=("dp", "tp"))
+    store_a = ShardStore(dev)
+    init_store(store_a, job, plan_a, rank, 0, roles=("actor",), precision=precision)
+    regions_b = rank_regions(model, b, rank, "actor", True, precision)
     # DCP gets A's state as its users hold it: plain row-major tensors (Nereus stores row-parallel
     # weights with their split dim outermost, see nereus.models.inventory.storage_dims)
     dcp_a = [(r, t.contiguous()) for r, t in store_a.items()]
     # send buffers hold real values (untouched pages would be read from the kernel's zero page)
-    sends = {dst: torch.randn(n // 4) for (src, dst), n in pair_bytes.items() if src == rank}
-    recvs = {src: torch.empty(n // 4) for (src, dst), n in pair_bytes.items() if dst == rank}
+    sends = {dst: torch.randn(n // 4, device=dev) for (src, dst), n in pair_bytes.items() if src == rank}
+    recvs = {src: torch.empty(n // 4, device=dev) for (src, dst), n in pair_bytes.items() if dst == rank}
 
-    local_src = torch.randn(local_bytes[rank] // 4)
+    local_src = torch.randn(local_bytes[rank] // 4, device=dev)
     local_dst = torch.empty_like(local_src)
-    posted, first_s = _nereus_messages(store_a, tplan, rank)
+    posted, first_s, reserve_s = _nereus_messages(store_a, tplan, rank, reserve)
     msg_sends, msg_recvs, hash_at = _message_buffers(posted)
     unique_send = _unique_send_bytes(tplan, rank)
     pg = dist.group.WORLD
@@ -240,7 +272,8 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
         box_d: dict = {}
 
         def load():  # allocating B's tensors is part of the load, as it is part of a Nereus transition
-            box_d["fresh"] = _dtensor_state([(r, torch.empty(r.lengths)) for r in regions_b], b, mesh_b, model)
+            box_d["fresh"] = _dtensor_state([(r, torch.empty(r.lengths, dtype=TORCH_DTYPES[r.dtype], device=dev))
+                                             for r in regions_b], b, mesh_b, model)
             dcp.load(box_d["fresh"], checkpoint_id=ckpt)
 
         times["load"].append(_timed(load))
@@ -251,19 +284,24 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
         os.sync()
         dist.barrier()
         for v in variants[i % 3:] + variants[:i % 3]:  # each variant goes first in turn
-            store = ShardStore()
+            store = ShardStore(dev)
             for r, t in store_a.items():
                 store.put(r, t.clone())
             box: dict = {}
             # diagnostic only: checksums replaced by a constant, to show what verification costs
-            # (the receiver's in apply, the sender's in store.SourceSums)
-            apply_mod.checksum = store_mod.checksum = (lambda t: 0) if v == "nereus_no_verify" else checksum
+            # (the receiver's in apply, the sender's in store.SourceSums; on a GPU the device hash)
+            off = v == "nereus_no_verify"
+            apply_mod.checksum = store_mod.checksum = (lambda t: 0) if off else checksum
+            apply_mod.checksums_of = (lambda parts: [0] * len(parts)) if off else checksums_of
+            store_mod.device_hash = (lambda t: torch.zeros((), dtype=torch.int64, device=t.device)) if off \
+                else device_hash
             try:
                 times[v].append(_timed(lambda: box.setdefault("r", apply_transition(
                     store, tplan, rank, DistTransport(rank), timeout_s=300,
                     staging_bytes=0 if v == "nereus_rounds" else apply_mod.STAGING_BYTES))))
             finally:
                 apply_mod.checksum = store_mod.checksum = checksum
+                apply_mod.checksums_of, store_mod.device_hash = checksums_of, device_hash
             if v == "nereus" and report is None:
                 report = box["r"]
                 bad_nereus = mismatches(store, job, 0)
@@ -274,12 +312,12 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
         times["floor_messages"].append(_timed(floor_messages))
 
         def alloc_fill():  # what materialising B in new memory costs any method, before any byte moves
-            box_f["t"] = [torch.empty(r.lengths).fill_(1.0) for r in regions_b]
+            box_f["t"] = [torch.empty(r.lengths, dtype=TORCH_DTYPES[r.dtype], device=dev).fill_(1.0) for r in regions_b]
 
         box_f: dict = {}
         times["alloc_fill"].append(_timed(alloc_fill))
         del box_f
-    total = torch.tensor([store_a.nbytes()], dtype=torch.int64)
+    total = torch.tensor([store_a.nbytes()], dtype=torch.int64, device=dev)
     dist.all_reduce(total)
     return {"rank": rank, "state_bytes": int(total), "nereus_s": min(times["nereus"]),
             "nereus_rounds_s": min(times["nereus_rounds"]), "nereus_no_verify_s": min(times["nereus_no_verify"]),
@@ -289,88 +327,171 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
             "all_times": times,
             "nereus_mismatches": len(bad_nereus), "dcp_equal": dcp_equal, "bytes_sent": report.bytes_sent,
             "bytes_copied": report.bytes_copied, "bytes_staged": report.bytes_staged, "messages": report.messages,
-            "nereus_first_s": first_s, "data_messages": len(posted["send"])}
+            "nereus_first_s": first_s, "arena_reserve_s": reserve_s, "data_messages": len(posted["send"]),
+            "nereus_warm_all_s": times["nereus"]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--tmp", default=None, help="directory for the DCP checkpoint (default: system temp)")
-    ap.add_argument("--repeat", type=int, default=5, help="best of N for each method (default 5)")
-    ap.add_argument("--json", metavar="OUT")
-    args = ap.parse_args(argv)
+SHAPES = {
+    "8l-512h": ("reference", 8, 512, "fp32"),
+    "2l-1024h": ("reference", 2, 1024, "fp32"),
+    "llama-bf16": ("llama", 4, 512, "bf16-mixed"),
+}
+"""Shapes of one default run: (architecture, layers, hidden, precision). ``llama-bf16`` is a
+Hugging Face Llama from the tiny config of ``nereus.executor.hf.arch.TINY`` widened to hidden 512
+(GQA 8/4, untied head), held as bf16 params with fp32 master and Adam moments (the planner's
+default kinds, ``mixed_precision=True``)."""
 
-    from nereus.executor.apply import STAGING_BYTES
-    from nereus.executor.store import CHECKSUM_IMPL
+TARGETS = {"speedup_vs_dcp": 3.0, "nereus_over_floor": 1.25, "first_over_warm": 1.5}
+"""Goals per shape: at least 3x DCP's time; at most 1.25x the floor (raw + checksums on both
+ends + local copies); the first transition at most 1.5x a warm one (arena reserved at start)."""
+
+
+def shape_model(arch: str, layers: int, hidden: int) -> ModelSpec:
+    if arch == "reference":
+        return bench_model(layers, hidden)
+    from nereus.executor.hf.arch import TINY, spec_of
+
+    cfg = {**TINY[arch], "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": hidden * 11 // 4,
+           "vocab_size": 4096}
+    return spec_of(cfg, name=f"{arch}-{layers}l-{hidden}h")
+
+
+def run_shape(name: str, arch: str, layers: int, hidden: int, precision: str, args) -> dict:
     from nereus.executor.launch import launch
     from nereus.executor.scenario import local_cluster, make_plan, restrict, tiny_job
     from nereus.planner.transition.build import plan_transition
 
-    model = bench_model(args.layers, args.hidden)
+    world = args.world
+    model = shape_model(arch, layers, hidden)
     job = tiny_job(model)
-    plan_a, plan_b = make_plan(tp=4), make_plan(tp=2, dp=2, zero=0)
+    plan_a, plan_b = make_plan(tp=world), make_plan(tp=world // 2, dp=2, zero=0)
     t0 = time.perf_counter()
-    tplan = restrict(plan_transition(job, local_cluster(WORLD), plan_a, plan_b, mixed_precision=False,
-                                     scheduler="greedy"), "actor")
+    tplan = restrict(plan_transition(job, local_cluster(world), plan_a, plan_b,
+                                     mixed_precision=precision == "bf16-mixed", scheduler="greedy"), "actor")
     plan_s = time.perf_counter() - t0
     pair_bytes: dict = {}
-    local_bytes = {g: 0 for g in range(WORLD)}
+    local_bytes = {g: 0 for g in range(world)}
     for op in tplan.ops:
         if op.is_copy:
             local_bytes[op.src_gpu] += op.region.nbytes
         else:
             pair_bytes[(op.src_gpu, op.dst_gpu)] = pair_bytes.get((op.src_gpu, op.dst_gpu), 0) + op.region.nbytes
     with tempfile.TemporaryDirectory(prefix="nereus-dcp-", dir=args.tmp) as tmp:
-        out = launch(bench_rank, WORLD, job, plan_a, plan_b, tplan, pair_bytes, local_bytes, tmp, args.repeat, timeout_s=1800,
-                     pg_timeout_s=600)
+        out = launch(bench_rank, world, job, plan_a, plan_b, tplan, pair_bytes, local_bytes, tmp, args.repeat,
+                     precision, not args.no_reserve, timeout_s=1800, pg_timeout_s=600, backend=args.backend)
     r = out[0]
     net = sum(pair_bytes.values())
     dcp_s = r["dcp_save_s"] + r["dcp_load_s"]
-    res = {"state_bytes": r["state_bytes"], "nereus_s": r["nereus_s"], "dcp_s": dcp_s, "raw_p2p_s": r["raw_p2p_s"],
-           "speedup_vs_dcp": dcp_s / r["nereus_s"], "fraction_of_raw": r["raw_p2p_s"] / r["nereus_s"],
+    warm_median = sorted(r["nereus_warm_all_s"])[len(r["nereus_warm_all_s"]) // 2]
+    res = {"shape": name, "state_bytes": r["state_bytes"], "nereus_s": r["nereus_s"], "dcp_s": dcp_s,
+           "raw_p2p_s": r["raw_p2p_s"], "speedup_vs_dcp": dcp_s / r["nereus_s"],
+           "fraction_of_raw": r["raw_p2p_s"] / r["nereus_s"],
            "floor_s": r["floor_s"], "floor_fraction_of_raw": r["raw_p2p_s"] / r["floor_s"],
+           "nereus_over_floor": r["nereus_s"] / r["floor_s"],
            "floor_messages_s": r["floor_messages_s"],
            "floor_messages_fraction_of_raw": r["raw_p2p_s"] / r["floor_messages_s"],
+           "nereus_over_floor_messages": r["nereus_s"] / r["floor_messages_s"],
            "data_messages": sum(o["data_messages"] for o in out),
            "nereus_planner_rounds_s": r["nereus_rounds_s"],
-           "nereus_no_verify_s_diagnostic": r["nereus_no_verify_s"], "alloc_fill_b_s": r["alloc_fill_s"], "exchanges": r["exchanges"], "dcp_save_s": r["dcp_save_s"], "dcp_load_s": r["dcp_load_s"], "network_bytes": net,
+           "nereus_no_verify_s_diagnostic": r["nereus_no_verify_s"], "alloc_fill_b_s": r["alloc_fill_s"],
+           "exchanges": r["exchanges"], "dcp_save_s": r["dcp_save_s"], "dcp_load_s": r["dcp_load_s"],
+           "network_bytes": net,
            "local_copy_bytes": sum(o["bytes_copied"] for o in out), "messages": sum(o["messages"] for o in out),
            "staged_bytes": sum(o["bytes_staged"] for o in out), "nereus_first_s": r["nereus_first_s"],
+           "arena_reserved_at_start": not args.no_reserve, "arena_reserve_s": r["arena_reserve_s"],
+           "first_over_warm": r["nereus_first_s"] / r["nereus_s"],
+           "first_over_warm_median": r["nereus_first_s"] / warm_median,
            "ops": len(tplan.ops), "rounds": tplan.rounds, "plan_s": plan_s, "model": model.name,
+           "precision": precision,
            "layout_a": plan_a.home("actor").config.label(), "layout_b": plan_b.home("actor").config.label() + "z0",
            "nereus_bit_exact": all(o["nereus_mismatches"] == 0 for o in out),
-           "dcp_bit_exact": all(o["dcp_equal"] for o in out), "world": WORLD, "backend": "gloo (CPU)",
-           "checksum": CHECKSUM_IMPL,
+           "dcp_bit_exact": all(o["dcp_equal"] for o in out), "world": world,
+           "backend": "gloo (CPU)" if args.backend == "gloo" else "nccl (CUDA)",
            "repeat": args.repeat, "all_times_s": r["all_times"]}
+    res["targets_met"] = {k: (res[k] >= v if k == "speedup_vs_dcp" else res[k] <= v) for k, v in TARGETS.items()}
+    return res
+
+
+def _print(res: dict) -> None:
     gb = 1e9
-    print(f"{model.name}: {res['state_bytes'] / 1e6:.0f} MB of actor params + Adam moments (fp32), "
-          f"{res['layout_a']} -> {res['layout_b']} on {WORLD} gloo ranks; {net / 1e6:.0f} MB cross-rank, "
-          f"{res['local_copy_bytes'] / 1e6:.0f} MB local copies, {res['ops']} ops in {res['rounds']} rounds")
-    print(f"best of {args.repeat}; GB/s = state bytes / seconds; checksum: XXH3-64 by {CHECKSUM_IMPL}")
-    print(f"{'method':<40}{'seconds':>10}{'GB/s (state)':>14}")
-    for name, s in ((f"Nereus transition ({r['exchanges']} exchange(s))", r["nereus_s"]),
-                    (f"  Nereus, {res['rounds']} planner rounds one by one", r["nereus_rounds_s"]),
-                    ("  Nereus, checksums off (diagnostic)", r["nereus_no_verify_s"]),
-                    ("DCP save in A + load in B", dcp_s),
-                    ("  of which save", r["dcp_save_s"]), ("  of which load", r["dcp_load_s"]),
-                    ("raw batch_isend_irecv (same bytes)", r["raw_p2p_s"]),
-                    ("  raw + checksums + local copies (floor)", r["floor_s"]),
-                    ("  floor, in Nereus's messages", r["floor_messages_s"]),
-                    ("allocate + fill B's regions (no transfer)", r["alloc_fill_s"])):
-        print(f"{name:<40}{s:>10.3f}{res['state_bytes'] / gb / s:>14.2f}")
-    print(f"headline = default apply (planner rounds merged while each rank stages at most {STAGING_BYTES >> 20} MiB; "
-          f"{res['staged_bytes'] / 1e6:.0f} MB staged, the rest moved in place); verification costs "
-          f"{r['nereus_s'] - r['nereus_no_verify_s']:+.3f} s (checksums off is not a product mode)")
-    print(f"first transition of the run (new host memory, page faults inside the receives): {r['nereus_first_s']:.3f} s; "
-          "later ones reuse the freed arena (nereus.executor.arena), as the CUDA caching allocator does on GPUs")
-    print(f"floors (no Nereus code): {res['floor_fraction_of_raw']:.0%} of raw in 8 MB messages, "
-          f"{res['floor_messages_fraction_of_raw']:.0%} of raw in the {res['data_messages']} data messages of this transition")
-    print(f"speedup vs DCP {res['speedup_vs_dcp']:.2f}x (goal >= 3x); fraction of raw p2p "
-          f"{res['fraction_of_raw']:.0%} (goal >= 70%); bit-exact: Nereus {res['nereus_bit_exact']}, "
-          f"DCP {res['dcp_bit_exact']}")
+    print(f"\n[{res['shape']}] {res['model']} ({res['precision']}): {res['state_bytes'] / 1e6:.0f} MB of actor state, "
+          f"{res['layout_a']} -> {res['layout_b']} on {res['world']} {res['backend']} ranks; "
+          f"{res['network_bytes'] / 1e6:.0f} MB cross-rank, {res['local_copy_bytes'] / 1e6:.0f} MB local copies, "
+          f"{res['ops']} ops in {res['rounds']} rounds; best of {res['repeat']}")
+    print(f"{'method':<44}{'seconds':>10}{'GB/s (state)':>14}")
+    for name, s in ((f"Nereus transition ({res['exchanges']} exchange(s))", res["nereus_s"]),
+                    (f"  Nereus, {res['rounds']} planner rounds one by one", res["nereus_planner_rounds_s"]),
+                    ("  Nereus, checksums off (diagnostic)", res["nereus_no_verify_s_diagnostic"]),
+                    ("  Nereus, first transition of the run", res["nereus_first_s"]),
+                    ("DCP save in A + load in B", res["dcp_s"]),
+                    ("raw batch_isend_irecv (same bytes)", res["raw_p2p_s"]),
+                    ("  raw + checksums + local copies (floor)", res["floor_s"]),
+                    ("  floor, in Nereus's messages", res["floor_messages_s"]),
+                    ("allocate + fill B's regions (no transfer)", res["alloc_fill_b_s"])):
+        print(f"{name:<44}{s:>10.3f}{res['state_bytes'] / gb / s:>14.2f}")
+    met = res["targets_met"]
+    print(f"speedup vs DCP {res['speedup_vs_dcp']:.2f}x (goal >= 3x: {'met' if met['speedup_vs_dcp'] else 'MISSED'}); "
+          f"Nereus / floor {res['nereus_over_floor']:.2f}x (goal <= 1.25x: "
+          f"{'met' if met['nereus_over_floor'] else 'MISSED'}); first / warm {res['first_over_warm']:.2f}x "
+          f"(goal <= 1.5x: {'met' if met['first_over_warm'] else 'MISSED'}; arena reserved at start in "
+          f"{res['arena_reserve_s']:.2f} s); bit-exact: Nereus {res['nereus_bit_exact']}, DCP {res['dcp_bit_exact']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma-separated shapes of {', '.join(SHAPES)} (default: all, in one run)")
+    ap.add_argument("--layers", type=int, default=None, help="a custom reference shape instead of --shapes")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--arch", choices=("reference", "llama"), default="reference", help="of the custom --layers shape")
+    ap.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32", help="of the custom --layers shape")
+    ap.add_argument("--world", type=int, default=WORLD, help="ranks (even, >= 2; default 4): A = TP world, "
+                                                            "B = TP world/2 x DP 2")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                    help="gloo on CPU, or nccl with every tensor on the rank's GPU (one GPU per rank)")
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="do not reserve the arena at start (a cold first transition)")
+    ap.add_argument("--tmp", default=None, help="directory for the DCP checkpoint (default: system temp)")
+    ap.add_argument("--repeat", type=int, default=5, help="best of N for each method (default 5)")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args(argv)
+    if args.world < 2 or args.world % 2:
+        ap.error(f"--world must be even and >= 2, got {args.world}")
+    if args.backend == "nccl":
+        if not torch.cuda.is_available():
+            print("reshard_vs_dcp: --backend nccl needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
+            return 2
+        if torch.cuda.device_count() < args.world:
+            print(f"reshard_vs_dcp: --backend nccl needs {args.world} GPUs, {torch.cuda.device_count()} visible",
+                  file=sys.stderr)
+            return 2
+    if args.layers is not None:
+        shapes = {f"{args.arch}-{args.layers}l-{args.hidden}h-{args.precision}": (args.arch, args.layers, args.hidden,
+                                                                              args.precision)}
+    else:
+        names = [n.strip() for n in args.shapes.split(",") if n.strip()]
+        bad = [n for n in names if n not in SHAPES]
+        if bad or not names:
+            ap.error(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
+        shapes = {n: SHAPES[n] for n in names}
+
+    from nereus.executor.apply import STAGING_BYTES
+    from nereus.executor.store import CHECKSUM_IMPL
+
+    results = []
+    for name, (arch, layers, hidden, precision) in shapes.items():
+        res = run_shape(name, arch, layers, hidden, precision, args)
+        _print(res)
+        results.append(res)
+    print(f"\nchecksum: {'on-device hash' if args.backend == 'nccl' else 'XXH3-64 by ' + CHECKSUM_IMPL}; staging "
+          f"budget {STAGING_BYTES >> 20} MiB; goals met on every shape: "
+          + ", ".join(f"{k} {'yes' if all(r['targets_met'][k] for r in results) else 'NO'}" for k in TARGETS))
+    out = {**results[0], "checksum": CHECKSUM_IMPL if args.backend == "gloo" else "device_hash (torch ops on the GPU)",
+           "shapes": results, "targets": TARGETS,
+           "targets_met_on_every_shape": {k: all(r["targets_met"][k] for r in results) for k in TARGETS}}
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -47,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from nereus.demo.setup import DemoConfig
     from nereus.errors import SpecError
 
+    from nereus.executor.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env[1] != args.world:
+        raise SpecError(f"torchrun started {env[1]} processes (WORLD_SIZE) but --world is {args.world}: "
+                        f"pass --world {env[1]}")
     if not 2 <= args.world <= 4:
         raise SpecError(f"--world must be 2, 3 or 4 (gloo processes on this machine), got {args.world}")
     if args.budgets and args.budget_mb:
@@ -54,5 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
                      policy=args.policy, seed=args.seed, out_dir=args.out_dir)
     out = run_demo(cfg, budgets=args.budgets)
+    if out is None:  # a torchrun rank other than 0: rank 0 prints and writes
+        return 0
     write_json(args.json, out)
     return 0

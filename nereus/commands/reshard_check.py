@@ -6,9 +6,17 @@ against A and the unsharded model (fp32: |diff| <= 1e-5, reduction order changes
 <= 2^-5 x the largest |logit|, see ``nereus.executor.checks.logits_tolerance``). ``--arch``: the
 reference transformer (``--model`` preset) or a tiny Llama / Qwen2 (QKV bias, tied embeddings) /
 Qwen3 (q/k norm) from ``nereus.executor.hf.arch.TINY``; ``--precision bf16-mixed``: bf16 params
-with fp32 master and Adam moments (the planner's default kinds). With ``--inject-fault`` a
-failure (an exception, or a rank that stops answering past the timeout) is injected at a random
-round on a random rank; a case passes when every rank rolled back to checksums identical to before.
+with fp32 master and Adam moments (the planner's default kinds). With ``--inject-fault [KIND]`` a
+failure is injected in every case at a random round on a random rank (``before-send``: an
+exception before the rank posts; ``after-receive``: an exception once its bytes arrived;
+``corrupt``: one bit flipped in a message it receives; ``kill``: its process dies of SIGKILL;
+``hang``: it stops answering past ``--timeout``; no KIND: ``before-send`` or ``hang`` at random).
+A case passes when every rank rolled back to checksums identical to before (for ``kill``: every
+surviving rank); exit 0 when every case passed, 1 otherwise, 2 on bad input.
+
+Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set) the processes are
+torchrun's, joined by env:// rendezvous, instead of spawned ones; rank 0 prints and writes the JSON
+(see docs/torchrun.md). ``--backend nccl`` keeps every tensor on the rank's GPU (``cuda:LOCAL_RANK``).
 """
 from __future__ import annotations
 
@@ -21,6 +29,9 @@ from nereus.commands.common import console, nonneg_int, pos_int, write_json
 
 ARCHS = ("reference", "llama", "qwen2", "qwen3")
 PRECISIONS = ("fp32", "bf16-mixed")
+FAULTS = {"before-send": "raise", "after-receive": "after-receive", "corrupt": "corrupt", "kill": "kill",
+          "hang": "hang"}
+"""``--inject-fault`` choices -> ``FaultSpec.kind``."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -34,7 +45,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="reference transformer (--model) or a tiny Hugging Face architecture (default reference)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 state, or bf16 params with fp32 master and moments (default fp32)")
-    p.add_argument("--inject-fault", action="store_true", help="inject a failure in every case; pass = rollback")
+    p.add_argument("--inject-fault", nargs="?", const="random", default=None, metavar="KIND",
+                   choices=("random", *FAULTS),
+                   help=f"inject a failure in every case; pass = rollback. KIND: {', '.join(FAULTS)} "
+                        "(default: before-send or hang at random)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="gloo (CPU tensors) or nccl (every tensor on cuda:LOCAL_RANK; needs one GPU per rank)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds a rank waits for a peer (default 5)")
     p.add_argument("--json", metavar="OUT", help="write {cases, passed, failed, bytes_moved, seconds}")
     return p
@@ -78,16 +94,24 @@ def _make_cases(args, job):
 
 
 def _verdict(results: list[dict], fault: bool, precision: str = "fp32") -> tuple[bool, str]:
+    """(passed, why) of one case from every rank's result. With a fault every rank must have
+    rolled back to its old checksums (a rank killed on purpose, ``{"killed": True}``, is skipped;
+    the survivors must roll back); without one, every region must be bit-exact and the logits in
+    B, compared on at least one rank, within tolerance."""
     from nereus.executor.checks import logits_tolerance
 
     if fault:
-        ok = all(isinstance(r, dict) and r["rolled_back"] and r["checksums_equal"] for r in results)
-        return ok, "all ranks rolled back, checksums identical" if ok else "rollback incomplete"
+        alive = [r for r in results if not (isinstance(r, dict) and r.get("killed"))]
+        ok = bool(alive) and all(isinstance(r, dict) and r["rolled_back"] and r["checksums_equal"] for r in alive)
+        who = "every surviving rank" if len(alive) < len(results) else "all ranks"
+        return ok, f"{who} rolled back, checksums identical" if ok else "rollback incomplete"
     errors = [r["error"] for r in results if r["rolled_back"]]
     if errors:  # the rank that failed, not the peers that rolled back because it did
         return False, "rolled back: " + next((e for e in errors if "another rank" not in e), errors[0])
     bad = sum(len(r["mismatches"]) for r in results)
     compared = [r for r in results if r["compared_logits"]]
+    if not compared:  # a pass needs the logits in B checked somewhere, not merely no rank objecting
+        return False, f"bits {'ok' if bad == 0 else f'{bad} regions differ'}, logits not compared (no rank ran B)"
     diff = max((r["logits_max_diff"] for r in compared), default=0.0)
     tol = logits_tolerance(precision, max((r["logits_scale"] for r in compared), default=0.0))
     ok = bad == 0 and diff <= tol
@@ -105,36 +129,81 @@ def _job(args):
     return tiny_job(spec_of(TINY[args.arch], name=f"tiny-{args.arch}"))
 
 
-def run(args: argparse.Namespace) -> int:
-    from nereus.errors import SpecError
-    from nereus.executor.apply import STAGING_BYTES, FaultSpec
-    from nereus.executor.checks import reshard_case, reshard_cases
+def _fault_for(rng: random.Random, choice: str, tp, world: int, timeout_s: float):
+    """The fault of one case. ``corrupt`` and ``after-receive`` hit a rank where bytes arrive
+    (a receiver of a cross-rank piece, in that piece's round), the others any rank and round."""
+    from nereus.executor.apply import FaultSpec
+
+    kind = rng.choice(("raise", "hang")) if choice == "random" else FAULTS[choice]
+    if kind in ("corrupt", "after-receive"):
+        op = rng.choice([op for op in tp.ops if not op.is_copy])
+        rank, rnd = op.dst_gpu, op.round
+    else:
+        rank, rnd = rng.randrange(world), rng.randrange(tp.rounds)
+    return FaultSpec(rank=rank, round=rnd, kind=kind, hang_s=2 * timeout_s if kind == "hang" else 0.0)
+
+
+def _fault_runs(args, job, cases, rng, torchrun: bool) -> list[list]:
+    """Per case, every rank's result (a killed rank: ``{"killed": True}``)."""
+    from nereus.executor.apply import STAGING_BYTES
+    from nereus.executor.checks import reshard_case, reshard_fault_cases
     from nereus.executor.launch import HUNG, launch
 
-    if not 2 <= args.world <= 8:
+    for i, (a, b, tp) in enumerate(cases):
+        cases[i] = (a, b, tp, _fault_for(rng, args.inject_fault, tp, args.world, args.timeout))
+    if torchrun:  # one process group for every case: no kill (it would end torchrun's job), see run()
+        out = launch(reshard_fault_cases, args.world, job, cases, args.seed, args.timeout, args.precision,
+                     timeout_s=120 + 30 * len(cases), backend=args.backend, allow_hung=True)
+        return None if out is None else [[o[i] if o is not HUNG else {"rolled_back": False} for o in out]
+                                         for i in range(len(cases))]
+    per_case = []
+    for i, (a, b, tp, fault) in enumerate(cases):
+        out = launch(reshard_case, args.world, job, a, b, tp, args.seed + i, fault, args.timeout, STAGING_BYTES,
+                     args.precision, timeout_s=60 + 4 * args.timeout, allow_hung=True, backend=args.backend)
+        per_case.append([{"killed": True} if o is HUNG and fault.kind == "kill" and r == fault.rank
+                         else o if o is not HUNG else {"rolled_back": False} for r, o in enumerate(out)])
+    return per_case
+
+
+def run(args: argparse.Namespace) -> int:
+    from nereus.errors import SpecError
+    from nereus.executor.checks import reshard_cases
+    from nereus.executor.launch import launch, torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env[1] != args.world:
+        raise SpecError(f"torchrun started {env[1]} processes (WORLD_SIZE) but --world is {args.world}: "
+                        f"pass --world {env[1]}")
+    if env is None and not 2 <= args.world <= 8:
         raise SpecError(f"--world must be between 2 and 8 processes on this machine, got {args.world}")
+    if env is not None and args.inject_fault == "kill":
+        raise SpecError("--inject-fault kill needs spawned processes (a fresh world per case); under torchrun a "
+                        "killed rank ends the job: run it without torchrun")
+    if args.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError("--backend nccl needs CUDA GPUs, and torch.cuda.is_available() is False here")
+        if env is None and torch.cuda.device_count() < args.world:
+            raise SpecError(f"--backend nccl needs one GPU per rank: --world {args.world}, "
+                            f"{torch.cuda.device_count()} GPU(s) visible")
     job = _job(args)
     con = console()
     t0 = time.perf_counter()
     rng, cases = _make_cases(args, job)
-    with con.status(f"running {len(cases)} case(s) on {args.world} gloo processes"):
+    where = "torchrun" if env is not None else "spawned"
+    with con.status(f"running {len(cases)} case(s) on {args.world} {where} {args.backend} processes"):
         if args.inject_fault:
-            per_case = []
-            for i, (a, b, tp) in enumerate(cases):
-                kind = rng.choice(("raise", "hang"))
-                fault = FaultSpec(rank=rng.randrange(args.world), round=rng.randrange(tp.rounds), kind=kind,
-                                  hang_s=2 * args.timeout if kind == "hang" else 0.0)
-                out = launch(reshard_case, args.world, job, a, b, tp, args.seed + i, fault, args.timeout,
-                             STAGING_BYTES, args.precision, timeout_s=60 + 4 * args.timeout, allow_hung=True)
-                per_case.append([o if o is not HUNG else {"rolled_back": False} for o in out])
-                cases[i] = (a, b, tp, fault)
+            per_case = _fault_runs(args, job, cases, rng, env is not None)
         else:
             out = launch(reshard_cases, args.world, job, cases, args.seed, args.timeout, args.precision,
-                         timeout_s=120 + 30 * len(cases))
-            per_case = [[out[r][i] for r in range(args.world)] for i in range(len(cases))]
+                         timeout_s=120 + 30 * len(cases), backend=args.backend)
+            per_case = None if out is None else [[out[r][i] for r in range(args.world)] for i in range(len(cases))]
+    if per_case is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     passed, first_failure = 0, ""
     for i, (case, results) in enumerate(zip(cases, per_case)):
-        ok, why = _verdict(results, args.inject_fault, args.precision)
+        ok, why = _verdict(results, bool(args.inject_fault), args.precision)
         passed += ok
         first_failure = first_failure or ("" if ok else f"case {i + 1}: {why}")
         extra = f" fault {case[3].kind} on rank {case[3].rank} round {case[3].round}:" if args.inject_fault else ""

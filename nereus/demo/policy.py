@@ -125,6 +125,9 @@ class DemoController:
     def report_transition(self, seconds: float) -> None:
         self.controller.report_transition(seconds)
 
+    def report_rollback(self, reason: str, step: int | None = None) -> None:
+        self.controller.report_rollback(reason, step=step)
+
     def close(self) -> None:
         self.controller.close()
 

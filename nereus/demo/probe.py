@@ -96,7 +96,7 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     and the raw timings they come from."""
     from nereus.executor.launch import launch
 
-    r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0)[0]
+    r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0, everywhere=True)[0]
     n = r["micro_batches"]
     extra = max(1, n - 1)
     train_pass = max(0.0, (r["train_mb1"] - r["train_mbn"]) / extra / 3)

@@ -93,7 +93,7 @@ def run_policy(cfg: DemoConfig, policy: str, full, job, cluster, params, plan) -
     cfg = replace(cfg, budget_mb=budget_for(cfg))
     out = launch(rank_main, cfg.world, cfg, full, job, cluster, params, plan, policy, timeout_s=cfg.timeout_s,
                  pg_timeout_s=120.0)
-    return out[0]
+    return None if out is None else out[0]  # None: a torchrun rank other than 0 (rank 0 reports)
 
 
 def summarize(records: list[dict], budget_mb: float) -> dict:
@@ -182,12 +182,16 @@ def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
             f"per process ({cfg.budget_k:g} x model state); layout {_label(plans[policy])} ==")
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         recs = run_policy(cfg, policy, full, job, cluster, params, plans[policy])
+        if recs is None:  # a torchrun rank other than 0: rank 0 reports
+            continue
         for r in recs:
             r["policy"] = policy
         results[policy] = recs
         loads[policy] = (load0, os.getloadavg()[0])  # a shared machine: other jobs' load during this run
         print_records(recs, cfg)
         log(f"{policy} run took {time.perf_counter() - t0:.1f} s wall")
+    if not results:
+        return None
     summary = {p: {**summarize(r, budget), "host_load_1min": loads[p]} for p, r in results.items()}
     factors = {p: correction_factors(Path(cfg.out_dir) / f"audit-{p}.jsonl") for p in results}
     return {"budget_k": cfg.budget_k, "budget_mb": budget, "plans": {p: _label(pl) if pl else None
@@ -195,12 +199,19 @@ def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
             "plan_choice": how, "summary": summary, "factors": factors, "records": results}
 
 
-def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = None) -> dict:
+def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = None) -> dict | None:
     """One run per policy at ``cfg``'s budget, or at each ``budgets`` multiple of the model state
     (audit logs then under ``out_dir/k<k>/``); a summary per budget, one across them, one PNG."""
     from nereus.demo.report import plot, print_factors, print_overview, print_summary
 
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    from nereus.errors import SpecError
+    from nereus.executor.launch import torchrun_env
+
+    if torchrun_env() is not None and "hindsight" in policies_of(cfg):
+        raise SpecError(f"demo under torchrun: --policy {cfg.policy} includes hindsight, which is chosen from the "
+                        f"adaptive run's per-step lengths that only rank 0 holds; pass --policy adaptive, static, "
+                        f"static+recompute or both")
     t_start = time.perf_counter()
     prep = prepare(cfg, log)
     runs = []
@@ -208,9 +219,13 @@ def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = Non
         bcfg = cfg if k is None else replace(cfg, budget_k=k, budget_mb=None,
                                              out_dir=str(Path(cfg.out_dir) / f"k{k:g}"))
         res = run_budget(bcfg, prep, log)
+        if res is None:  # a torchrun rank other than 0
+            continue
         print_summary(res["summary"], f"budget {res['budget_mb']:.1f} MiB per process ({bcfg.budget_k:g} x model state)")
         print_factors(res["factors"])
         runs.append(res)
+    if not runs:
+        return None
     if len(runs) > 1:
         print_overview(runs)
     png = plot(runs, cfg, Path(cfg.out_dir) / "demo.png")

@@ -231,8 +231,9 @@ class _Run:
             rec["verified"] = bool(committed) and rec["regions_verified"] == len(set(tplan.dst) - set(tplan.kept))
             if not committed:  # every rank rolled back: its old layout is intact, the run stays on it
                 rec["transition_error"] = failure
-                if self.rank == 0:
-                    self.controller.plan = self.plan
+                rec["rolled_back"] = True
+                if self.rank == 0:  # the controller goes back to the plan the run is still on, and audits it
+                    self.controller.report_rollback(failure, step=rec["step"])
                 return rec
             # the old state stays until commit (rollback): the transition's own high point
             rec["transition_peak_mem_frac"] = _max(float(report.peak_bytes)) / (self.cfg.budget_mb * 1024**2)
@@ -270,6 +271,10 @@ def _layout_label(plan: Plan) -> str:
 def rank_main(rank: int, world: int, cfg: DemoConfig, full: dict, job, cluster, params, plan: Plan,
               policy: str) -> list[dict]:
     """The whole run on one rank; rank 0 returns the per-step records."""
+    from nereus.executor.launch import torchrun_env
+
+    if torchrun_env() is not None:  # each torchrun process prepared (and timed) on its own: rank 0's decides
+        full, job, cluster, params, plan = _bcast((full, job, cluster, params, plan))
     torch.manual_seed(cfg.seed)
     run = _Run(rank, world, cfg, full, job, cluster, params, plan, policy)
     records = []

@@ -29,14 +29,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.executor.arena import empty_regions, mostly_dead, trim_cache
-from nereus.executor.store import TORCH_DTYPES, ShardStore, SourceSums, checksum, contains, cover_error, narrowed
+from nereus.executor.store import (TORCH_DTYPES, ShardStore, SourceSums, checksum, checksums_of, contains, cover_error,
+                                   narrowed)
 from nereus.executor.transport import Transport
 from nereus.planner.transition.types import Region, TransferOp, TransitionPlan
 
@@ -57,7 +58,9 @@ class FaultSpec:
     exchange is off by one after the copy (memory or a copy gone wrong: only the destination's
     checksum can tell);
     ``slow-vote``: that rank verifies everything, then stalls ``hang_s`` before it votes (a
-    straggler; ``round`` is ignored)."""
+    straggler; ``round`` is ignored); ``kill``: that rank's process dies of SIGKILL before it
+    posts the exchange holding ``round`` (no exception, no vote, no goodbye: its peers learn of it
+    from the transport, a closed connection or the timeout, and roll back)."""
     hang_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -65,16 +68,20 @@ class FaultSpec:
             raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
 
 
-FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "corrupt-copy", "slow-vote")
+FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "corrupt-copy", "slow-vote", "kill")
 
 
 class RolledBack(TransitionError):
     """A transition that rolled back on this rank, with how far it got (tests and reports)."""
 
-    def __init__(self, message: str, *, bytes_received: int, exchanges_done: int, vote_completed: bool = True) -> None:
+    def __init__(self, message: str, *, bytes_received: int, exchanges_done: int, vote_completed: bool = True,
+                 groups_rebuilt: bool = False) -> None:
         super().__init__(message)
         self.bytes_received = bytes_received
         self.exchanges_done = exchanges_done
+        self.groups_rebuilt = groups_rebuilt
+        """True when the transport aborted its communicators and rebuilt the process groups (NCCL):
+        every group object made before is gone; callers rebuild theirs (``Engine`` does)."""
         self.vote_completed = vote_completed
         """False only when this rank voted yes and the vote never completed here: a peer that
         completed it later may have committed (reported in the message; see ``vote_wait_s``)."""
@@ -245,7 +252,7 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
             buf.view(-1).view(torch.uint8)[0] ^= 1  # the fault: one bit flipped in flight
 
     def landed(peer: int, parts: list[torch.Tensor]) -> None:
-        got[peer].extend((landing[id(part)], checksum(part)) for part in parts)
+        got[peer].extend(zip((landing[id(part)] for part in parts), checksums_of(parts)))
 
     transport.finish(posted, timeout_s, on_arrival=arrived if corrupt == "corrupt" else None, landed=landed)
     del posted  # staging buffers go back to the arena now, not when the next exchange has run
@@ -288,6 +295,11 @@ def _inject(fault: FaultSpec | None, rank: int, lo: int, hi: int, when: str) -> 
         return
     if when == "before" and fault.kind == "hang":
         time.sleep(fault.hang_s)
+    elif when == "before" and fault.kind == "kill":
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     elif when == "before" and fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} in round {fault.round}")
     elif when == "after" and fault.kind == "after-receive":
@@ -331,6 +343,89 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
         if n < bucket_bytes or not view.is_contiguous():
             staged[op.round] += n
     return items, staged
+
+
+def reserve_arena(store: ShardStore, plan: TransitionPlan, rank: int, *, staging_bytes: int | None = STAGING_BYTES,
+                  bucket_bytes: int | None = None) -> int:
+    """Reserve, at start, the host memory a transition of ``plan`` will take from the arena: its
+    new regions (one buffer per dtype) and the staging buffers of each exchange, carved exactly
+    as ``apply_transition`` will ask for them, then every page touched (``arena.prefault_free``)
+    and handed back to the arena's cache, so the first transition runs on warm memory like later
+    ones. Nothing moves and the store is unchanged; not collective (exchanges are grouped by this
+    rank's staged bytes, where a transition uses the busiest rank's: the same with the default
+    budget whenever every round fits in one exchange). Returns the bytes reserved; 0 off the host
+    (CUDA has its caching allocator). Keep ``arena.cache_limit()`` above it."""
+    from nereus.executor.arena import prefault_free
+
+    if store.device.type != "cpu":
+        return 0
+    _carve_once(store, plan, rank, staging_bytes, bucket_bytes)  # every buffer is free again on return
+    return prefault_free()
+
+
+def _carve_once(store: ShardStore, plan: TransitionPlan, rank: int, staging_bytes: int | None,
+                bucket_bytes: int | None) -> None:
+    from nereus.executor.transport import BUCKET_BYTES, MockHub, MockTransport, _staging
+
+    major = {(m, t): d for m, t, d in plan.major}
+    new = _NewLayout(store, plan, rank, major)
+    sizer = MockTransport(rank, MockHub(1), bucket_bytes or BUCKET_BYTES)
+    items, staged = _prepare(plan, store, new, rank, sizer.bucket_bytes, major)
+    for lo, hi in round_groups(staged, staging_bytes):  # held one exchange at a time, as the transition does
+        peers: dict[str, Counter] = {"send": Counter(), "recv": Counter()}
+        for it in _merged([x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())], store, new, major):
+            if it[0] in ("send", "recv"):
+                (sizer.submit_send if it[0] == "send" else sizer.submit_recv)(it[1], it[2])
+                peers[it[0]][it[1]] += 1
+        out, inc = sizer._messages(sizer._sends), sizer._messages(sizer._recvs)
+        sizer.close()
+        data = _staging([m for _, m in out + inc])
+        sums = [torch.empty(n, dtype=torch.int64, device=store.device) for what in ("send", "recv")
+                for _, n in sorted(peers[what].items())]
+        sum_bufs = _staging([[t] for t in sums if t.numel()])  # the checksum messages (small: staged)
+        del data, sum_bufs
+
+
+def _merged(items: list[tuple], store: ShardStore, new: _NewLayout, major: dict[tuple[str, str], int]) -> list[tuple]:
+    """One exchange's items with the pieces of one tensor going between the same two ranks that
+    are neighbours along its storage dim joined into one piece (the planner cuts long moves into
+    ranges, often into pieces below the bucket size, which would be packed and unpacked: joined,
+    they move in place as one dense block). A function of the plan alone, so sender and receiver
+    join the same pieces and keep the same order (a joined piece takes its first part's place);
+    each joined piece is hashed whole at both ends, so every element is still compared.
+
+    Example: rows [0, 64) and [64, 128) of ``mlp.up_proj.weight``/exp_avg from rank 0 to rank 2,
+    in rounds 3 and 7 of one exchange -> rows [0, 128), at the place of the first."""
+    runs: dict[tuple, list[int]] = defaultdict(list)
+    for i, it in enumerate(items):
+        if it[0] != "copy":
+            r = it[4]
+            d = major.get((r.model, r.tensor), 0)
+            runs[(it[0], it[1], r.key, r.dtype, d, r.offsets[:d] + r.offsets[d + 1:],
+                  r.lengths[:d] + r.lengths[d + 1:])].append(i)
+    first: dict[int, tuple] = {}
+    drop: set[int] = set()
+    for (what, peer, _, _, d, _, _), idx in runs.items():
+        if len(idx) < 2:
+            continue
+        idx.sort(key=lambda i: items[i][4].offsets[d])
+        chain = [idx[0]]
+        for i in idx[1:] + [None]:
+            prev = items[chain[-1]][4]
+            if i is not None and items[i][4].offsets[d] == prev.offsets[d] + prev.lengths[d]:
+                chain.append(i)
+                continue
+            if len(chain) > 1:
+                lo = items[chain[0]][4]
+                joined = replace(lo, lengths=lo.lengths[:d] + (sum(items[j][4].lengths[d] for j in chain),)
+                                 + lo.lengths[d + 1:])
+                view = _wire(store.read(joined) if what == "send" else new.target(joined), joined, major)
+                first[min(chain)] = (what, peer, view, joined.nbytes, joined)
+                drop.update(chain)
+            chain = [i] if i is not None else []
+    if not first:
+        return items
+    return [first.get(i, it) for i, it in enumerate(items) if i in first or i not in drop]
 
 
 def round_groups(staged: list[int], staging_bytes: int | None) -> list[tuple[int, int]]:
@@ -401,11 +496,13 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     if ok:
         try:
             groups = round_groups(spread[1:], staging_bytes)
+            items = {lo: _merged(it, store, new, major)
+                     for lo, hi in groups for it in [[x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())]]}
             verify = None
             sums = SourceSums(store)
             for lo, hi in groups:
                 _inject(fault, rank, lo, hi, "before")
-                verify = _run_round([it for rnd in range(lo, hi + 1) for it in items.get(rnd, ())], store, rank,
+                verify = _run_round(items[lo], store, rank,
                                     transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify,
                                     corrupt=next((k for k in ("corrupt", "corrupt-copy")
                                                   if _fault_here(fault, rank, lo, hi, k)), ""))
@@ -435,9 +532,14 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                       f"completed it may have committed")
         ok, reason = False, reason or str(e)
     if not ok:
-        raise RolledBack(f"transition rolled back on rank {rank}: {reason}; this rank's old layout is intact",
+        # NCCL: work still queued on the communicators (a peer that died, a batch half posted)
+        # would block later kernels: abort them and, if the vote completed everywhere, rebuild
+        # the groups (collective, every rank is rolling back) before handing the old layout back
+        rebuilt = transport.after_rollback(vote_completed, timeout_s)
+        raise RolledBack(f"transition rolled back on rank {rank}: {reason}; this rank's old layout is intact"
+                         + ("; process groups rebuilt" if rebuilt else ""),
                          bytes_received=counters["arrived"], exchanges_done=counters["exchanges_done"],
-                         vote_completed=vote_completed)
+                         vote_completed=vote_completed, groups_rebuilt=rebuilt)
     for m, step in zip(models, vote[1:]):
         store.step[m] = step
     items = None  # drop this rank's views of the old state, so its buffers are free for the trim

@@ -17,6 +17,8 @@ allocator for transitions:
   instead of faulting in new pages.
 - A buffer counts as free only when no tensor views it any more (its Python reference count is
   back to the registry's own), so a reused buffer never aliases live data.
+- ``apply.reserve_arena`` reserves a transition's buffers at start (carved once, pages touched
+  by ``prefault_free``), so even the first transition of a process reuses warm memory.
 - Free buffers are kept up to ``cache_limit()`` bytes (default 1 GiB, ``set_cache_limit``); the
   oldest free ones beyond that are unmapped. ``release_cached()`` unmaps every free buffer, like
   ``torch.cuda.empty_cache``. ``cached_bytes()`` is what is held but unused.
@@ -80,6 +82,20 @@ def cached_bytes() -> int:
         return sum(len(m) for m in _free(_blocks))
 
 
+def prefault_free() -> int:
+    """Touch every page of every free host buffer now (a write per 4 KiB page), so the next
+    transition that reuses them does not fault them in inside its receives; returns the bytes
+    touched. ``apply.reserve_arena`` calls it after carving a transition's buffers once."""
+    with _lock:
+        free = _free(_blocks)
+        for m in free:
+            page = mmap.PAGESIZE
+            view = torch.frombuffer(m, dtype=torch.uint8)
+            view[::page] = 0
+            del view
+        return sum(len(m) for m in free)
+
+
 def trim_cache() -> int:
     """Unmap the oldest free buffers beyond ``cache_limit()``; returns the bytes released.
     ``apply_transition`` calls it after commit, when the old state's buffers become free."""
@@ -121,7 +137,8 @@ def _take(nbytes: int) -> torch.Tensor:
             if _huge[0] and hasattr(mmap, "MADV_HUGEPAGE"):
                 m.madvise(mmap.MADV_HUGEPAGE)
         _blocks.append(m)  # most recently used last: trimmed last
-        t = torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        t = (torch.frombuffer(m, dtype=torch.uint8, count=nbytes) if nbytes
+             else torch.empty(0, dtype=torch.uint8, device="cpu"))
         if nbytes:
             _start[id(m)] = t.data_ptr()
         _trim(_limit[0])
@@ -182,7 +199,7 @@ def scratch(numels: list[int], dtype: torch.dtype, device: torch.device) -> list
     reusable host buffer; plain ``torch.empty`` on CUDA."""
     if device.type != "cpu":
         return [torch.empty(n, dtype=dtype, device=device) for n in numels]
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     buf = _take(sum(_aligned(n * size) for n in numels))
     out, pos = [], 0
     for n in numels:

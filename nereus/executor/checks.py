@@ -12,6 +12,7 @@ import torch
 from nereus.errors import TransitionError
 from nereus.executor.apply import STAGING_BYTES, FaultSpec
 from nereus.executor.engine import Engine
+from nereus.executor.launch import rank_device
 from nereus.executor.scenario import init_store, mismatches, reference_logits
 from nereus.executor.store import ShardStore
 from nereus.planner.plan import Plan
@@ -51,12 +52,14 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
                  staging_bytes: int | None = STAGING_BYTES, precision: str = "fp32") -> dict:
     """State in A -> transition to B; bits against the reference, logits B against A and
     against the never-resharded reference (``reference_logits``).
-    With a fault: the transition must roll back to checksums identical to before."""
-    ids = batch(job.model("actor").vocab, 4, 12, seed + 1)
-    store = ShardStore()
+    With a fault: the transition must roll back to checksums identical to before.
+    The state lives on ``rank_device()`` (the rank's GPU under NCCL); results come back on the host."""
+    device = rank_device()
+    ids = batch(job.model("actor").vocab, 4, 12, seed + 1).to(device)
+    store = ShardStore(device)
     init_store(store, job, plan_a, rank, seed, precision=precision)
     eng = Engine(rank, world, job.model("actor"), plan_a.home("actor"), store, precision=precision)
-    logits_a = eng.logits(ids)
+    logits_a = _host(eng.logits(ids))
     before = store.checksums()
     t0 = time.perf_counter()
     try:
@@ -67,10 +70,10 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
                 "checksums_equal": store.checksums() == before, "regions": len(before),
                 "bytes_received": getattr(e, "bytes_received", 0), "exchanges_done": getattr(e, "exchanges_done", 0)}
     bad = mismatches(store, job, seed)
-    logits_b = eng.logits(ids)
+    logits_b = _host(eng.logits(ids))
     diff = scale = 0.0
     if logits_b is not None:  # against A where this rank saw A's logits, and always against the reference
-        ref = reference_logits(job, seed, ids, precision)
+        ref = reference_logits(job, seed, ids.cpu(), precision)
         diff, scale = float((logits_b - ref).abs().max()), float(ref.abs().max())
         if logits_a is not None:
             diff = max(diff, float((logits_a - logits_b).abs().max()))
@@ -78,6 +81,10 @@ def reshard_case(rank: int, world: int, job: JobSpec, plan_a: Plan, plan_b: Plan
             "bytes_received": report.bytes_received, "messages": report.messages, "mismatches": bad,
             "regions": len(store), "logits_max_diff": diff, "logits_scale": scale,
             "compared_logits": logits_b is not None}
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
 
 
 def reshard_chain(rank: int, world: int, job: JobSpec, plans: list[Plan], tplans: list[TransitionPlan],
@@ -151,3 +158,11 @@ def reshard_cases(rank: int, world: int, job: JobSpec, cases: list[tuple[Plan, P
     """Several (A, B) cases one after the other in the same processes (fresh store each)."""
     return [reshard_case(rank, world, job, a, b, tp, seed + i, None, timeout_s, precision=precision)
             for i, (a, b, tp) in enumerate(cases)]
+
+
+def reshard_fault_cases(rank: int, world: int, job: JobSpec, cases: list[tuple[Plan, Plan, TransitionPlan, FaultSpec]],
+                        seed: int, timeout_s: float, precision: str = "fp32") -> list[dict]:
+    """Fault cases one after the other in the same processes (torchrun: one process group for
+    all); every case must roll back. A ``kill`` fault cannot run this way (it ends the run)."""
+    return [reshard_case(rank, world, job, a, b, tp, seed + i, fault, timeout_s, precision=precision)
+            for i, (a, b, tp, fault) in enumerate(cases)]

@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 
 from nereus.errors import SpecError
 from nereus.executor import model as M
-from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, apply_transition
+from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, RolledBack, apply_transition
 from nereus.executor.layout import OPT_KINDS, param_dtype, rank_regions, stored
 from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
@@ -217,21 +217,24 @@ class Engine:
         cache, tokens, cur = M.KVCache(), [prompts[lo:lo + n]], prompts[lo:lo + n]
         c, co = self.placement.config, self.g.coords
         head_rank = self.placement.gpu_of(co.tp_rank, c.pp - 1, co.dp_rank)
-        alive = torch.ones(n, dtype=torch.bool)
+        dev = self.store.device
+        alive = torch.ones(n, dtype=torch.bool, device=dev)
         for k in range(new_tokens):
             _, out = self._pipe_forward(cur, cache)
             nxt = torch.empty(n, dtype=torch.int64, device=self.store.device)
             if self.g.last_stage:
                 logits = out[:, -1].float()
                 if temperature > 0:
-                    u = torch.rand((B, logits.shape[-1]), generator=gen)[lo:lo + n].clamp_(1e-20, 1.0)
+                    # the host generator draws the same numbers whatever the layout or device
+                    u = torch.rand((B, logits.shape[-1]), generator=gen, device="cpu")[lo:lo + n].to(dev)
+                    u = u.clamp_(1e-20, 1.0)
                     logits = logits / temperature - torch.log(-torch.log(u))
                 nxt = logits.argmax(-1)
                 for s in range(c.pp - 1):  # every stage learns the tokens (inputs, stop decision)
                     dist.send(nxt, self.placement.gpu_of(co.tp_rank, s, co.dp_rank))
             else:
                 if temperature > 0:
-                    torch.rand((B, self.model.vocab), generator=gen)  # keep the generator in step
+                    torch.rand((B, self.model.vocab), generator=gen, device="cpu")  # keep the generator in step
                 dist.recv(nxt, head_rank)
             if stop_targets is not None:
                 nxt = torch.where(alive, nxt, tokens[-1][:, -1])
@@ -243,7 +246,7 @@ class Engine:
                 alive &= nxt == stop_targets[lo:lo + n, k]
                 if not bool(alive.any()):
                     break
-        steps = torch.tensor([len(tokens) - 1])
+        steps = torch.tensor([len(tokens) - 1], device=dev)
         if stop_targets is not None:
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.g.pool_group) if self.g.pool_group else None
         width = int(steps[0])
@@ -269,7 +272,7 @@ class Engine:
         if not self.in_pool:
             return None
         B, T = ids.shape
-        weights = torch.ones(B, T - 1) if weights is None else weights
+        weights = torch.ones(B, T - 1, device=self.store.device) if weights is None else weights
         lo, n = self._rows(B)
         mb = max(1, self.placement.config.micro_batch)
         chunks = [(s, min(mb, lo + n - s)) for s in range(lo, lo + n, mb)]
@@ -295,7 +298,7 @@ class Engine:
                 t.grad = None
             return None
         self._optimizer_step()
-        part = torch.tensor([[loss_sum]]) if self.g.last_stage else None
+        part = torch.tensor([[loss_sum]], device=self.store.device) if self.g.last_stage else None
         return float(self._share((1, 1), 0, part, torch.float32)[0, 0])
 
     def _backward(self, inp: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -314,8 +317,8 @@ class Engine:
         """Each param region's gradient, summed over the ranks that computed parts of it: over TP
         for the q/k norms (replicated, applied to local heads), between the two copies of a tied
         embedding split over pipeline stages, and over DP; in fp32 (bf16 grads upcast first)."""
-        grads = [self.w[r.tensor].grad if self.w[r.tensor].grad is not None else torch.zeros(r.lengths)
-                 for r in params]
+        grads = [self.w[r.tensor].grad if self.w[r.tensor].grad is not None
+                 else torch.zeros(r.lengths, device=self.store.device) for r in params]
         grads = [g.float() for g in grads]
         groups = [(self.g.dp_group, range(len(params)))]
         if self.model.qk_norm:
@@ -364,9 +367,14 @@ class Engine:
         back (TransitionError) and the engine stays bound to the old placement."""
         for t in self.w.values():
             t.grad = None
-        with torch.no_grad():
-            report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
-                                      timeout_s=timeout_s, fault=fault, staging_bytes=staging_bytes)
+        try:
+            with torch.no_grad():
+                report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
+                                          timeout_s=timeout_s, fault=fault, staging_bytes=staging_bytes)
+        except RolledBack as e:
+            if e.groups_rebuilt:  # NCCL: the old groups were aborted; bind the old placement to new ones
+                self._bind(self.placement)
+            raise
         self._bind(placement)
         return report
 

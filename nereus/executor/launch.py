@@ -6,11 +6,15 @@ its formatted traceback on a queue; the parent joins with a deadline, kills rank
 raises ``RankFailed`` naming the rank and quoting its traceback. ``fn`` must be importable
 (module level) because spawn pickles it by name.
 
-Multi-node runs use torchrun instead, with the same per-rank function::
+Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` in the environment,
+``torchrun_env``) nothing is spawned: ``launch`` joins torchrun's env:// rendezvous (once per
+process), runs ``fn`` on this process's rank, and the results travel through the rendezvous
+store (not a collective: a failed transition leaves the data groups suspect); rank 0 gets the
+list, the other ranks None. So ``torchrun --nproc-per-node N -m nereus.cli reshard-check ...``
+runs the same code on N torchrun processes, on one node or several (docs/torchrun.md).
 
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 your_script.py
-
-where ``your_script.py`` calls ``dist.init_process_group("nccl")`` and then ``fn(rank, world, ...)``.
+NCCL: each process calls ``torch.cuda.set_device(local rank)`` before it joins, so every CUDA
+tensor and communicator of the rank is on its own GPU (``rank_device``).
 """
 from __future__ import annotations
 
@@ -33,6 +37,43 @@ class RankFailed(NereusError):
     """A rank raised or hung; the message carries the rank's traceback."""
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world, local rank) when this process was started by torchrun (or any launcher that
+    sets the env:// variables), else None."""
+    if not all(v in os.environ for v in TORCHRUN_VARS):
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except ValueError:
+        raise NereusError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (set by torchrun), got "
+                          + ", ".join(f"{v}={os.environ[v]!r}" for v in TORCHRUN_VARS[:3])) from None
+
+
+def _set_device(backend: str, local_rank: int) -> None:
+    """NCCL: this process's GPU is ``cuda:local_rank``, set before any CUDA work or communicator."""
+    if "nccl" in backend:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NereusError("backend nccl needs CUDA, and torch.cuda.is_available() is False on this machine")
+        if local_rank >= torch.cuda.device_count():
+            raise NereusError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
+        torch.cuda.set_device(local_rank)
+
+
+def rank_device():
+    """The device this rank keeps its tensors on: ``cuda:<local rank>`` under NCCL, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: float, fn: Callable, args: tuple,
            results) -> None:
     import torch
@@ -40,7 +81,9 @@ def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: fl
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: the local rank is the rank
     try:
+        _set_device(backend, rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         out = fn(rank, world, *args)
@@ -56,9 +99,59 @@ def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: fl
                 pass
 
 
+_CALLS = [0]
+"""``launch`` calls under torchrun in this process (the same sequence on every rank): the key of
+each call's results in the rendezvous store."""
+
+
+def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, backend: str, pg_timeout_s: float,
+                     allow_hung: bool, everywhere: bool = False) -> list[Any] | None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    rank, size, local_rank = torchrun_env()
+    if size != world:
+        raise NereusError(f"torchrun started {size} processes (WORLD_SIZE) but this run needs {world}: "
+                          f"pass --nproc-per-node/--nnodes for {world}, or --world {size}")
+    if not dist.is_initialized():
+        _set_device(backend, local_rank)
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=pg_timeout_s))
+    _CALLS[0] += 1
+    key = f"nereus-launch/{_CALLS[0]}/"
+    try:
+        status, value = "ok", pickle.dumps(fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - reported to rank 0 with the traceback
+        status, value = "error", traceback.format_exc().encode()
+    store = c10d._get_default_store()
+    store.set(f"{key}{rank}", pickle.dumps((status, value)))
+    if rank != 0 and not everywhere:
+        return None
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < world and time.monotonic() < deadline:
+        for r in range(world):
+            if r not in got and store.check([f"{key}{r}"]):
+                got[r] = pickle.loads(store.get(f"{key}{r}"))
+        time.sleep(0.05)
+    hung = [r for r in range(world) if r not in got]
+    errors = [(r, v.decode()) for r, (s, v) in sorted(got.items()) if s == "error"]
+    if errors:
+        r, tb = errors[0]
+        raise RankFailed(f"rank {r} of {world} failed ({len(errors)} rank(s) failed, no answer: {hung}):\n{tb}")
+    if hung and not allow_hung:
+        raise RankFailed(f"rank(s) {hung} of {world} did not finish within {timeout_s:g} s")
+    return [pickle.loads(got[r][1]) if r in got else HUNG for r in range(world)]
+
+
 def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo",
-           pg_timeout_s: float = 60.0, allow_hung: bool = False) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; results in rank order."""
+           pg_timeout_s: float = 60.0, allow_hung: bool = False, everywhere: bool = False) -> list[Any] | None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; results in rank order. Under
+    torchrun (``torchrun_env``): on this process's rank only; the list on rank 0, None elsewhere,
+    or on every rank with ``everywhere`` (results every rank needs to go on the same way, e.g. a
+    measurement that picks the plan)."""
+    if torchrun_env() is not None:
+        return _launch_torchrun(fn, world, args, timeout_s, backend, pg_timeout_s, allow_hung, everywhere)
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -13,9 +13,11 @@ step is aborted at the first boundary where any rank went past it, and its updat
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class MemoryMeter:
@@ -91,3 +93,41 @@ class MemoryMeter:
 
 def kv_cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for d in (cache.k, cache.v) for t in d.values())
+
+
+# ---- which device a code path creates tensors on --------------------------------------------------
+# The check behind "no CPU/CUDA mixing": ``tensors_created_on(default)`` runs a block with
+# ``default`` as torch's default device and records the device of every tensor any aten op returns.
+# Code that follows its ``device`` argument (the store's device) never creates a tensor on the
+# default device, so with the default set to ``meta`` (a device nothing here uses on purpose) a
+# single ``torch.zeros(n)`` that forgot its ``device=`` shows up as a ``meta`` tensor in the record.
+# CPU-only machines check the GPU path's discipline this way: the same code puts every tensor on
+# ``cuda:<local rank>`` when the store is there. What it cannot see: tensors created in C++ without
+# going through the dispatcher, and host copies made on purpose (``.cpu()``, pinned buffers), which
+# name their device.
+class _Record(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: Counter = Counter()
+        self.ops_on: dict[str, set[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.devices[t.device.type] += 1
+                self.ops_on.setdefault(t.device.type, set()).add(str(func))
+        return out
+
+
+@contextlib.contextmanager
+def tensors_created_on(default: str = "meta"):
+    """Yield a record (``devices``: Counter of device types of every tensor aten ops returned;
+    ``ops_on``: device type -> op names) of the block, run with ``default`` as the default device."""
+    rec = _Record()
+    torch.set_default_device(default)
+    try:
+        with rec:
+            yield rec
+    finally:
+        torch.set_default_device(None)

@@ -20,6 +20,8 @@ from nereus.executor.layout import Coords
 from nereus.planner.plan import StagePlacement
 
 _GROUPS: dict[tuple[int, ...], object] = {}
+_SIDE: dict[tuple[int, ...], object] = {}
+_REBUILDS = [0]
 
 
 def group_of(ranks: tuple[int, ...]):
@@ -32,6 +34,40 @@ def group_of(ranks: tuple[int, ...]):
     if ranks not in _GROUPS:
         _GROUPS[ranks] = dist.new_group(list(ranks))
     return _GROUPS[ranks]
+
+
+def side_group(ranks: tuple[int, ...]):
+    """A gloo group over ``ranks`` for host-side control (the commit vote and Adam step counts)
+    next to NCCL data groups: a collective on it needs no CUDA stream, cannot queue behind a
+    stuck NCCL kernel, and survives an NCCL abort. Collective like ``group_of``."""
+    if ranks not in _SIDE:
+        _SIDE[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _SIDE[ranks]
+
+
+def abort_and_rebuild(rebuild: bool, timeout_s: float) -> bool:
+    """After a failed transition on NCCL: abort every communicator of this process (local, does not
+    wait for peers; queued kernels are cancelled), then, if ``rebuild``, re-create the default
+    process group from the same rendezvous store under a fresh prefix (collective: every rank of
+    the world calls it, as every rank rolls back after a completed "no" vote). Group objects made
+    before (``group_of``, ``side_group``, an Engine's ``PlacementGroups``) are dropped; callers
+    build them again. Returns whether the groups were rebuilt."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    c10d._abort_process_group()  # every group, the default one included
+    _GROUPS.clear()
+    _SIDE.clear()
+    if not rebuild:
+        return False
+    _REBUILDS[0] += 1
+    dist.init_process_group(backend, store=dist.PrefixStore(f"nereus-rebuild-{_REBUILDS[0]}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=max(60.0, timeout_s)), device_id=device)
+    return True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -78,7 +78,7 @@ def init_store(store: ShardStore, job: JobSpec, plan: Plan, rank: int, seed: int
             continue
         full = M.init_full(model, seed + ROLE_SEED[role], kinds)
         for r in regions:
-            store.put(r, stored(model, r, M.initial_region(full, r)))
+            store.put(r, stored(model, r, M.initial_region(full, r)).to(store.device))
         store.step[role] = 0
 
 
@@ -91,7 +91,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def mismatches(store: ShardStore, job: JobSpec, seed: int) -> list[str]:
     """Regions whose bits differ from the never-resharded reference."""
     return [f"{r.model}:{r.tensor}/{r.kind}@{r.offsets}" for r, t in store.items()
-            if not same_bits(t, reference(job.model(r.model), seed, r))]
+            if not same_bits(t.cpu(), reference(job.model(r.model), seed, r))]  # the reference is built on the host
 
 
 def reference_logits(job: JobSpec, seed: int, ids: torch.Tensor, precision: str = "fp32") -> torch.Tensor:

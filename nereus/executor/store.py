@@ -106,8 +106,73 @@ CHECKSUM_IMPL = "libxxhash XXH3_64bits_dispatch" if _XXH3 is not None else "pyth
 """Which XXH3 ``checksum`` runs (``NEREUS_PY_XXHASH=1`` forces the Python package)."""
 
 
+_M32 = 0xFFFFFFFF
+_LANES = ((0x7FEB352D, 0x2C1B3C6D, 0x297A2D39, 0x165667B1), (0x5BD1E995, 0x1B873593, 0x68E31DA4, 0x27D4EB2F))
+"""Odd multipliers below 2^31 (every product of a 32-bit word stays below 2^63: no int64 overflow
+on any device) and a seed, per lane of ``device_hash``."""
+
+
+def device_hash(t: torch.Tensor) -> torch.Tensor:
+    """A 63-bit checksum of the tensor's raw bytes computed with torch ops where the tensor lives
+    (a 0-dim int64 tensor on its device): nothing but the result ever leaves the device.
+
+    Deterministic by construction: only integer ops, and the reduction is a sum of integers below
+    2^32 (exact in int64 for up to 2^31 words, whatever order the device adds them in). Per
+    32-bit word w at position i and per lane: h = mix(w x P1 + (i mod 2^32) x P2 + seed), with
+    mix a xor-shift-multiply bijection of 32-bit words; the lane's sum of h is taken mod 2^32 and
+    the two lanes make the result. For a fixed i, w -> h is a bijection, so changing one word
+    always changes both sums (a flipped bit is always caught); the position enters every word,
+    so swapped or moved words change them too (up to about 2^-62). Pieces whose byte count is not
+    a multiple of 4 are hashed byte by byte. The value differs from XXH3's: both ends of a
+    message must use the same function (``checksum`` picks by device, and every rank of a
+    transition holds its state on the same kind of device)."""
+    flat = t.detach().contiguous().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    raw = flat.view(torch.uint8)
+    words = raw.view(torch.int32).to(torch.int64) & _M32 if nbytes % 4 == 0 else raw.to(torch.int64)
+    pos = torch.arange(words.numel(), dtype=torch.int64, device=words.device) & _M32
+    sums = []
+    for p1, p2, p3, seed in _LANES:
+        h = (words * p1 + pos * p2 + (seed ^ (nbytes & _M32))) & _M32
+        h = h ^ (h >> 15)
+        h = (h * p3) & _M32
+        h = h ^ (h >> 13)
+        h = (h * p1) & _M32
+        h = h ^ (h >> 16)
+        sums.append(h.sum() & _M32)
+    return ((sums[0] << 31) ^ sums[1]) & 0x7FFFFFFFFFFFFFFF
+
+
+DEVICE_HASH_ON_CPU = bool(os.environ.get("NEREUS_DEVICE_CHECKSUM"))
+"""``NEREUS_DEVICE_CHECKSUM=1``: CPU tensors are hashed with ``device_hash`` too (tests run the
+GPU path's checksum on gloo; every rank of a run must agree, so set it for the whole run)."""
+
+
+def _host_ints(values: list[torch.Tensor]) -> list[int]:
+    """0-dim device int64 tensors -> ints, through one pinned host buffer (8 bytes each, one
+    asynchronous copy and one synchronisation for the lot)."""
+    if not values:
+        return []
+    stacked = torch.stack(values)
+    if stacked.device.type != "cuda":
+        return stacked.tolist()
+    host = torch.empty(stacked.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    torch.cuda.current_stream(stacked.device).synchronize()
+    return host.tolist()
+
+
+def checksums_of(parts: list[torch.Tensor]) -> list[int]:
+    """``checksum`` of each tensor; for device tensors the hashes are computed on the device and
+    only their 8 bytes each come to the host, together (one message's pieces: one copy)."""
+    if parts and (parts[0].device.type != "cpu" or DEVICE_HASH_ON_CPU):
+        return _host_ints([device_hash(p) for p in parts])
+    return [checksum(p) for p in parts]
+
+
 def checksum(t: torch.Tensor) -> int:
-    """XXH3-64 of the tensor's raw bytes, as a non-negative int64.
+    """XXH3-64 of the tensor's raw bytes, as a non-negative int64 (CPU tensors); ``device_hash``
+    on the device for tensors elsewhere (GPU), with only its 8 bytes read back.
 
     Equal for bit-identical tensors whatever their strides; a flipped bit, swapped, moved or
     truncated bytes change it (up to a 2**-63 collision). One pass over the bytes and a small
@@ -116,8 +181,8 @@ def checksum(t: torch.Tensor) -> int:
     here), else the ``xxhash`` package; both compute the same value.
     """
     flat = t.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
+    if flat.device.type != "cpu" or DEVICE_HASH_ON_CPU:
+        return _host_ints([device_hash(flat)])[0]
     flat = flat.contiguous()
     n = flat.numel() * flat.element_size()
     if _XXH3 is not None:
@@ -151,7 +216,9 @@ class SourceSums:
 
     def message(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
         """The checksums of the pieces one outgoing message carries (``buf``: their elements
-        back to back), in order."""
+        back to back), in order. On a device: hashed there, 8 bytes per piece read back at once."""
+        if buf.device.type != "cpu" or DEVICE_HASH_ON_CPU:
+            return self._on_device(buf, parts)
         out, pos, flat = [], 0, None
         for part in parts:
             n = part.numel()
@@ -162,6 +229,14 @@ class SourceSums:
                 out.append(self(part, flat[pos:pos + n]))
             pos += n
         return out
+
+
+    def _on_device(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
+        keys = [(p.data_ptr(), tuple(p.shape), p.stride(), p.dtype) for p in parts]
+        todo = [i for i, k in enumerate(keys) if k not in self.memo]
+        for i, value in zip(todo, _host_ints([device_hash(parts[i]) for i in todo])):
+            self.memo[keys[i]] = value
+        return [self.memo[k] for k in keys]
 
 
 class ShardStore:

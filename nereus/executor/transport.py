@@ -18,7 +18,11 @@ messages. Both sides submit in op-id order, so the buckets line up without any h
   On gloo each message is posted straight on the process group (what ``isend``/``irecv`` do,
   without their per-call checks), the receives of an exchange first and the sends streaming
   after them in 8 MB groups; on NCCL an exchange is one ``batch_isend_irecv`` (one NCCL group),
-  since separate groups would deadlock. The NCCL path is untested here (no GPU).
+  since separate groups would deadlock. On NCCL the vote and agreement (``max_ints``) run on a
+  gloo side group over the same ranks (host tensors), waits poll completion against a deadline
+  (``Work.wait`` does not block the host on NCCL), and a rank that rolls back aborts the
+  communicators and rebuilds the groups (``after_rollback``, ``parallel.abort_and_rebuild``).
+  The NCCL path is written to be right, not tested here (no GPU): ``benchmarks/gpu_check.sh``.
 - ``MockTransport``: threads in one process sharing a ``MockHub``; used by unit tests.
 """
 from __future__ import annotations
@@ -184,6 +188,11 @@ class Transport(ABC):
         self._sends.clear()
         self._recvs.clear()
 
+    def after_rollback(self, vote_completed: bool, timeout_s: float) -> bool:
+        """Called by a rank that rolls back, after the vote; True if the process groups were
+        rebuilt (NCCL only: see ``DistTransport``)."""
+        return False
+
 
 @dataclass(slots=True)
 class Posted:
@@ -249,6 +258,11 @@ class DistTransport(Transport):
         members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
         self._group_rank = {g: g if group is None else dist.get_group_rank(group, g) for g in members}
         self._limits: dict[float, timedelta] = {}
+        self._vote_group = group
+        if not self.streaming:  # NCCL: the vote and the step counts go on a gloo side group (host tensors)
+            from nereus.executor.parallel import side_group
+
+            self._vote_group = side_group(tuple(sorted(members)))
 
     def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
         import torch.distributed as dist
@@ -290,6 +304,8 @@ class DistTransport(Transport):
         return limit
 
     def _wait(self, works: list, timeout_s: float) -> None:
+        if not self.streaming:
+            return self._wait_polled(works, timeout_s)
         limit = self._limit(timeout_s)
         try:
             for w in works:
@@ -298,14 +314,38 @@ class DistTransport(Transport):
         except RuntimeError as e:
             raise self._failed("point-to-point exchange", e) from e
 
+    def _wait_polled(self, works: list, timeout_s: float) -> None:
+        """NCCL: ``Work.wait`` only makes the current stream wait (the host never blocks, so a
+        timeout never fires) unless blocking wait is set for the whole job. Poll completion
+        against a deadline instead, then order the current stream after the work (its data is
+        read by the checksums next)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            for w in works:
+                while not w.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TransitionError(f"rank {self.rank}: a peer did not answer within {timeout_s:g} s")
+                    time.sleep(50e-6)
+                w.wait()
+        except RuntimeError as e:
+            raise self._failed("point-to-point exchange", e) from e
+
+    def after_rollback(self, vote_completed: bool, timeout_s: float) -> bool:
+        """NCCL: abort the communicators (work a dead or failed peer left queued would block
+        later kernels) and rebuild the groups when the vote completed (every rank is here then);
+        gloo: nothing (its messages are tagged per transition, stale ones never match)."""
+        if self.streaming:
+            return False
+        from nereus.executor.parallel import abort_and_rebuild
+
+        return abort_and_rebuild(vote_completed, timeout_s)
+
     def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         import torch.distributed as dist
 
-        t = torch.tensor(list(values), dtype=torch.int64)
-        if not self.streaming:  # NCCL reduces CUDA tensors
-            t = t.cuda()
+        t = torch.tensor(list(values), dtype=torch.int64, device="cpu")  # gloo: the world or the side group
         try:
-            w = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            w = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True)
             if not w.wait(self._limit(timeout_s)):
                 raise TransitionError(f"rank {self.rank}: collective (commit vote or agreement) timed out after {timeout_s:g} s")
         except RuntimeError as e:

@@ -65,11 +65,12 @@ def test_demo_through_the_cli_runs_two_steps_and_writes_its_figures(tmp_path):
              "--json", str(out)])
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     d = json.loads(out.read_text())
-    assert d["steps"] == 2 and d["static"]["mean_step_s"] is None  # adaptive only
-    a = d["adaptive"]
+    b = d["budgets"][0]
+    assert d["steps"] == 2 and set(b["summary"]) == {"adaptive"}  # adaptive only
+    a = b["summary"]["adaptive"]
     assert a["mean_step_s"] > 0 and a["infeasible_steps"] == 0 and 0 < a["peak_mem_frac"] <= 1.0, a
-    assert d["verified_transitions"] == d["transitions"]
+    assert a["verified_transitions"] == a["transitions"]
     run_json = json.loads((tmp_path / "demo-run.json").read_text())
-    assert [r["step"] for r in run_json["records"]["adaptive"]] == [0, 1]
+    assert [r["step"] for r in run_json["records"][0]["records"]["adaptive"]] == [0, 1]
     assert (tmp_path / "demo.png").stat().st_size > 0
     assert len((tmp_path / "audit-adaptive.jsonl").read_text().splitlines()) == 2

@@ -48,8 +48,18 @@ def test_a_transition_whose_bytes_fail_verification_rolls_back_and_is_recorded_u
         assert r["verified"] is False and r["regions_verified"] == 0, r
         assert "checksum mismatch" in r["transition_error"] or "failed to verify" in r["transition_error"], r
     assert len({r["plan"] for r in records}) == 1  # every step ran in the initial layout
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and all(r.get("rolled_back") for r in tried)
     s = summarize(records, cfg.budget_mb)
     assert s["transitions"] == len(tried) and s["verified_transitions"] == 0
+    # the rollback reached the controller: audited with the executor's reason, and every later
+    # decision was taken from the old plan (the controller's plan is the one the run is on)
+    audit = [json.loads(line) for line in open(tmp_path / "audit-adaptive.jsonl")]
+    rollbacks = [a for a in audit if a["decision"] == "rollback"]
+    assert [a["step"] for a in rollbacks] == [r["step"] for r in tried]
+    for a, r in zip(rollbacks, tried):
+        assert a["reason"] == r["transition_error"] and a["plan"] != a["failed_plan"]
+    after = [a for a in audit if a["decision"] != "rollback" and a["step"] > tried[0]["step"]]
+    assert all(a["plan"] == rollbacks[0]["plan"] or a["decision"] == "switch" for a in after)
 
 
 def _rec(step, *, oom, step_s, mean, transition_s=0.0):

@@ -168,6 +168,22 @@ class Controller:
         (``OnlineCalibration.transition_model``: a factor on the planner's estimate + a fixed part)."""
         self.calibration.update_transition(measured_s, self._last_cost_raw)
 
+    def report_rollback(self, reason: str, step: int | None = None) -> None:
+        """The caller's transition to the last switch's plan rolled back (every rank kept the old
+        layout): the controller returns to the plan the job still runs and audits it (decision
+        ``rollback``). The dwell keeps counting from the failed switch, so a switch made for speed
+        is not retried at once (a must-switch still is, next step); the streak and the steps on
+        the plan start over; the failed transition's time does not calibrate transition costs
+        (``report_transition`` is not called for it)."""
+        prev = getattr(self, "_prev_plan", None)
+        if prev is None:
+            raise NereusError("controller: report_rollback without a switch to roll back")
+        failed, self.plan, self._prev_plan = self.plan, prev, None
+        self._on_plan = 0
+        self._streak = ((), 0)
+        self.audit.record({"step": step, "decision": "rollback", "reason": reason, "plan": _layout(prev),
+                           "failed_plan": _layout(failed)})
+
     def close(self) -> None:
         self.audit.close()
 
@@ -543,6 +559,7 @@ class Controller:
         if best.origin == "re-pool":
             self.rule = replace(self.rule, anchor=best.plan)
         self._streak = ((), 0)
+        self._prev_plan = self.plan  # report_rollback returns to it
         self.plan = best.plan
         return d
 
