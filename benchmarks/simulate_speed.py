@@ -49,6 +49,10 @@ def bucket_error(job, cluster, n: int, ratio: float, seed: int = 0) -> dict:
     return {"ratio": ratio, "samples": n, "max_excess": float(max(excess)), "median_excess": float(np.median(excess))}
 
 
+def _q(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1)))] if xs else 0.0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="ramp_1024_noisy")
@@ -56,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default=str(ROOT / "examples/cluster-h100-128n.yaml"))
     ap.add_argument("--steps", type=int)
     ap.add_argument("--json")
+    ap.add_argument("--workers", type=int, default=2, help="processes for the online policies (the machine has 2 cores)")
     ap.add_argument("--bucket-check", type=int, default=0, metavar="N",
                     help="also measure the solve buckets' error on N random lengths (each costs two solves)")
     args = ap.parse_args(argv)
@@ -64,19 +69,29 @@ def main(argv=None) -> int:
         trace = trace.head(args.steps)
     load0 = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
-    res = simulate(job, cluster, trace, POLICIES, time_limit_s=1.0, seed=0)
+    res = simulate(job, cluster, trace, POLICIES, time_limit_s=1.0, seed=0, workers=args.workers)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    children = os.times()
+    cpu += children.children_user + children.children_system  # the forked workers' CPU
     per = {k: {x: r.to_dict()[x] for x in ("wall_s", "solves", "controller_overhead_ms_median",
                                           "controller_overhead_ms_p99", "controller_overhead_ms_max", "mean_step_s",
                                           "transitions", "ooms", "dropped_steps")} for k, r in res.items()}
+    pooled = sorted(x for r in res.values() for x in r.overhead_ms)
+    no_resolve = {"decisions": len(pooled), "median_ms": _q(pooled, 0.5), "p90_ms": _q(pooled, 0.9),
+                  "p99_ms": _q(pooled, 0.99), "max_ms": pooled[-1] if pooled else 0.0,
+                  "share_within_10ms": sum(1 for x in pooled if x <= 10.0) / max(1, len(pooled))}
     out = {"label": "SIMULATED results; timing measured", "trace": trace.name, "steps": len(trace),
-           "max_gpus": trace.max_gpus, "policies": list(res), "wall_s": wall, "cpu_s": cpu,
-           "load_average_before": load0, "load_average_after": os.getloadavg()[0], "per_policy": per}
+           "max_gpus": trace.max_gpus, "policies": list(res), "workers": args.workers, "wall_s": wall, "cpu_s": cpu,
+           "load_average_before": load0, "load_average_after": os.getloadavg()[0],
+           "controller_step_without_resolve": no_resolve, "per_policy": per}
     print(f"{trace.name}: {len(trace)} steps to {trace.max_gpus} GPUs, {len(res)} policies: wall {wall:.1f} s, "
           f"CPU {cpu:.1f} s (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; the machine is shared)")
     for k, d in per.items():
         print(f"  {k:13} wall {d['wall_s']:6.1f} s  solves {d['solves']:3}  no-resolve step ms: median "
               f"{d['controller_overhead_ms_median']:.1f} p99 {d['controller_overhead_ms_p99']:.1f}")
+    print(f"controller steps without a re-solve (all online policies, {no_resolve['decisions']}): median "
+          f"{no_resolve['median_ms']:.1f} ms, p90 {no_resolve['p90_ms']:.1f} ms, p99 {no_resolve['p99_ms']:.1f} ms; "
+          f"{no_resolve['share_within_10ms']:.1%} within 10 ms")
     if args.bucket_check:
         from nereus.simulator.policies import SOLVE_BUCKET_RATIO
 

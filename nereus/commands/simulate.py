@@ -8,7 +8,8 @@ from nereus.commands.common import (add_job_cluster, console, load_specs, pos_fl
                                     write_json)
 from nereus.jsonio import atomic_path
 
-CHOICES = ("static-naive", "static", "hindsight", "adaptive", "always", "oracle", "verl", "openrlhf", "all")
+CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl", "openrlhf",
+           "all")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

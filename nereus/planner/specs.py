@@ -6,6 +6,7 @@ renamed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
@@ -257,6 +258,20 @@ class RolloutSpec:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@lru_cache(maxsize=64)
+def _phases(roles: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """``JobSpec.phases`` of a job with ``roles`` (memoised: the solver and controller ask often)."""
+    exp = ["actor/inference"]
+    if "ref" in roles:
+        exp.append("ref/inference")
+    if "critic" in roles:
+        exp.append("critic/inference")
+    if "reward" in roles:
+        exp.append("reward/inference")
+    train = ["actor/training"] + (["critic/training"] if "critic" in roles else [])
+    return (("actor/generation",), tuple(exp), tuple(train))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     algorithm: str
@@ -299,15 +314,7 @@ class JobSpec:
 
     def phases(self) -> tuple[tuple[str, ...], ...]:
         """Model-stages that may run at the same time: generation, experience preparation, training."""
-        exp = ["actor/inference"]
-        if "ref" in self.roles:
-            exp.append("ref/inference")
-        if "critic" in self.roles:
-            exp.append("critic/inference")
-        if "reward" in self.roles:
-            exp.append("reward/inference")
-        train = ["actor/training"] + (["critic/training"] if "critic" in self.roles else [])
-        return (("actor/generation",), tuple(exp), tuple(train))
+        return _phases(self.roles)
 
     def workload(self) -> "Workload":
         s = self.sequence

@@ -9,8 +9,12 @@ analytic per-model-stage estimates (nereus.planner.cost.model) with *other* effi
 (``TRUE_PARAMS``: slower training matmuls, lower HBM efficiency, slower links, more decode overhead,
 a heavier inference stage) and seeded multiplicative log-normal noise per step and model-stage, so
 online calibration has a real bias to learn. Transitions cost the makespan the transition planner
-schedules (its bandwidth bound above 128 GPUs, see ``ModelWorld``), times ``transition_slowdown``
+schedules (its bandwidth bound above ``schedules.SCHEDULE_MAX_GPUS`` GPUs, the limit the simulator's
+schedules use; see ``ModelWorld``), times ``transition_slowdown``
 (the real network is slower than the planner assumes), and block the job while they run.
+
+Observations are the ground truth's ``Observation`` (the lengths are the workload's: no sampling
+here) and layout changes are priced once per pair by the truth's ``LayoutChangePrices``.
 
 Step composition and memory accounting: nereus.planner.cost.plan_times (shared with the controller, which
 evaluates the same way with the planner's CostParams times its learned correction factors).
@@ -18,8 +22,7 @@ evaluates the same way with the planner's CostParams times its learned correctio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
 
@@ -27,6 +30,8 @@ from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
 from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key, workload_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
+from nereus.simulator.schedules import SCHEDULE_MAX_GPUS
+from nereus.simulator.truth.machine import LayoutChangePrices, Observation
 
 TRUE_PARAMS = CostParams(
     mfu_train=0.37, mfu_prefill=0.50, mfu_decode=0.40, hbm_eff=0.72, intra_link_eff=0.70,
@@ -34,20 +39,6 @@ TRUE_PARAMS = CostParams(
     stage_factor=(("generation", 1.0), ("inference", 1.12), ("training", 1.0)),
 )
 """The "real" machine: every efficiency differs from CostParams() defaults, by stage."""
-MAKESPAN_MAX_GPUS = 128
-"""Above this many GPUs the ground truth prices transitions with the planner's bandwidth bound
-(scheduling one large layout change on 1,024 GPUs takes about 30 s of CPU)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """What a running job reports after one step (noisy)."""
-
-    stage_s: Mapping[str, float]
-    step_s: float
-    feasible: bool
-    peak_mem_gib: float
-    violations: tuple[str, ...] = field(default=())
 
 
 class ModelWorld:
@@ -61,7 +52,7 @@ class ModelWorld:
         (greedy schedule; exact, but about 30 s per large 1,024-GPU layout change); "bound" uses its
         bandwidth bound ``transition_cost`` (0.93-1.13x the greedy schedule's makespan on the
         transition benchmark's plan pairs); "auto" (default): makespan when both plans use at
-        most ``MAKESPAN_MAX_GPUS`` GPUs, else the bound. All are multiplied by ``transition_slowdown``."""
+        most ``SCHEDULE_MAX_GPUS`` GPUs, else the bound. All are multiplied by ``transition_slowdown``."""
         if transition not in ("auto", "bound", "makespan"):
             raise ValueError(f"transition must be 'auto', 'bound' or 'makespan', got {transition!r}")
         self.transition = transition
@@ -70,7 +61,7 @@ class ModelWorld:
         self._transition_fn = transition_fn
         self._times: dict[tuple, PlanTimes] = {}
         self._noise: dict[int, np.ndarray] = {}
-        self._trans: dict[tuple, float] = {}
+        self._trans = LayoutChangePrices(lambda a, b: self.transition_slowdown * self._planned_makespan(a, b))
         self._stages = job.model_stages()
 
     def times(self, plan: Plan, w: Workload) -> PlanTimes:
@@ -93,33 +84,26 @@ class ModelWorld:
         f = self.noise_factors(step)
         stage_s = {ms: t.stage_s[ms] * float(f[i]) for i, ms in enumerate(self._stages)}
         step_s = compose_step(self.job, plan, stage_s, t.weight_sync_s) if t.feasible else math.inf
-        return Observation(stage_s, step_s, t.feasible, max(t.peak_mem_gib.values()), t.violations)
+        return Observation(stage_s, step_s, t.feasible, max(t.peak_mem_gib.values()), w.response_len_mean,
+                           w.response_len_max, w.p90, t.violations)
 
     def step_s(self, plan: Plan, w: Workload, step: int) -> float:
         return self.observe(plan, w, step).step_s
 
     def transition_s(self, a: Plan, b: Plan) -> float:
         """Blocking time of the transition a -> b: the transition planner's makespan, slowed down."""
-        if a.layout_key() == b.layout_key():
-            return 0.0
-        key = (a.layout_key(), b.layout_key())
-        hit = self._trans.get(key)
-        if hit is None:
-            hit = self._trans[key] = self.transition_slowdown * self._planned_makespan(a, b)
-        return hit
+        return self._trans(a, b)
 
     def _planned_makespan(self, a: Plan, b: Plan) -> float:
         if self._transition_fn is not None:
             return self._transition_fn(a, b)
         from nereus.planner.transition.build import plan_transition, transition_cost
 
-        big = max(a.num_gpus, b.num_gpus) > MAKESPAN_MAX_GPUS
+        big = max(a.num_gpus, b.num_gpus) > SCHEDULE_MAX_GPUS
         if self.transition == "bound" or (self.transition == "auto" and big):
             return float(transition_cost(a, b, self.cluster, self.job))
         return float(plan_transition(self.job, self.cluster, a, b, scheduler="greedy", materialize=False).makespan_s)
 
     def known_transition(self, a: Plan, b: Plan) -> float | None:
         """The transition time if already computed (or free), else None."""
-        if a.layout_key() == b.layout_key():
-            return 0.0
-        return self._trans.get((a.layout_key(), b.layout_key()))
+        return self._trans.known(a, b)

@@ -7,6 +7,8 @@ admission logic); they differ only in which layouts they may choose (``LayoutRul
 they weigh transition cost:
 
 - ``adaptive``: any layout, cost-aware admission (Nereus).
+- ``adaptive-restart``: the same in restart mode (``Controller(transition_mode="restart")``): every
+  switch is a checkpoint save + relaunch, priced so by the controller and charged so by the truth.
 - ``always``: any layout, switches to the best plan for the next step every step (ignores cost).
 - ``static``: the solver's plan for the first step, its TP/PP and pools kept, DP scaling with the
   GPUs; the controller still re-tunes micro-batch, recomputation, ZeRO stage and KV budget.
@@ -34,8 +36,11 @@ from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, static
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
-POLICIES = ("static-naive", "static", "hindsight", "adaptive", "always", "oracle", "verl", "openrlhf")
-ONLINE = ("static", "adaptive", "always", "verl", "openrlhf")
+POLICIES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl",
+            "openrlhf")
+ONLINE = ("static", "adaptive", "adaptive-restart", "always", "verl", "openrlhf")
+RESTART_MODE = ("adaptive-restart",)
+"""Policies that switch plans by checkpoint and relaunch (a framework without live resharding)."""
 SCRIPTED = ("static-naive",)
 SOLVE_BUCKET_RATIO = 1.5
 """Workload buckets the simulated controllers ask the solver on: a plan is solved for the bucket's
@@ -80,6 +85,8 @@ def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload,
                   solve_bucket_ratio=SOLVE_BUCKET_RATIO)
     if name in ("adaptive", "always"):
         return Controller(job, cluster, mode=name, rule=FREE, **common)
+    if name == "adaptive-restart":  # the launch configuration is not needed to replay the run: not emitted
+        return Controller(job, cluster, mode="adaptive", rule=FREE, transition_mode="restart", framework=None, **common)
     if name == "static":
         first = plans.best(FREE, w0, gpus0, base)
         if first is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -30,9 +30,10 @@ from nereus.planner.online.controller import StepMetrics
 from nereus.planner.online.plan_cache import FREE, PlanCache, scale_plan
 from nereus.planner.plan import Plan
 from nereus.planner.solver.problem import CandidateSettings
-from nereus.planner.specs import ClusterSpec, JobSpec
+from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator import oracle as offline
-from nereus.simulator.policies import OFFLINE, ONLINE, POLICIES, make_controller, naive_fix, naive_plan, rescale_naive
+from nereus.simulator.policies import (OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO, make_controller,
+                                      naive_fix, naive_plan, rescale_naive)
 from nereus.simulator.schedules import TransitionSchedules
 from nereus.simulator.trace import Trace
 from nereus.simulator.truth.machine import GroundTruth, Observation, plan_key
@@ -178,7 +179,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
         if not d.resolved:
             overhead.append(d.overhead_s * 1e3)
         if d.action == "switch":
-            t = gt.transition_s(plan, d.plan)
+            t = gt.switch_restart_s(plan, d.plan) if name in RESTART_MODE else gt.transition_s(plan, d.plan)
             if t > 0:
                 ctl.report_transition(t)
             run.trans[i + 1] = t
@@ -237,7 +238,7 @@ def offline_candidates(job: JobSpec, trace: Trace, plans: PlanCache, results: It
     picks = {round(j * (len(trace) - 1) / max(1, samples - 1)) for j in range(samples)}
     picks |= {i for i in range(1, len(trace)) if gpus[i] != gpus[i - 1]}
     for i in sorted(picks):
-        p = plans.best(FREE, trace.workload(i, base), gpus[i], params)
+        p = plans.best(FREE, solve_grid(trace.workload(i, base)), gpus[i], params)
         if p is not None:
             cands.setdefault(plan_key(p), p)
     for p in list(cands.values()):
@@ -245,6 +246,17 @@ def offline_candidates(job: JobSpec, trace: Trace, plans: PlanCache, results: It
             cands.setdefault(plan_key(q), q)
     out = list(cands.values())
     return out, list(range(n_used, len(out))), used
+
+
+def solve_grid(w: Workload, ratio: float = SOLVE_BUCKET_RATIO) -> Workload:
+    """``w`` on the workload grid the simulated controllers ask the solver on (mean response length
+    on a log grid of ``ratio``, the p90 / mean ratio in quarters): the offline policies' extra
+    candidates then share the solver's cached cost tables with the online policies' plans. A
+    candidate is only a candidate: the offline policies score it with the truth's exact times."""
+    r = math.log(ratio)
+    mean = min(round(math.exp(round(math.log(w.response_len_mean) / r) * r), 1), 0.98 * w.response_len_max)
+    q = round(4 * w.p90 / w.response_len_mean) / 4
+    return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), q * mean), 1))
 
 
 def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult],
@@ -300,9 +312,11 @@ def _path_result(name: str, path, cands: list[Plan], n: int, t0: float) -> Polic
 def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterable[str] = POLICIES, *,
              gt: GroundTruth | None = None, params: CostParams | None = None, horizon: int = 200,
              margin: float = 0.25, seed: int = 0, time_limit_s: float = 5.0, audit_path: str | None = None,
-             progress: bool = False) -> dict[str, PolicyResult]:
+             progress: bool = False, workers: int = 1) -> dict[str, PolicyResult]:
     """Run ``policies`` over ``trace``; results in the order asked. ``audit_path`` logs the adaptive
-    controller's decisions (or the first online policy's when adaptive is not run)."""
+    controller's decisions (or the first online policy's when adaptive is not run). ``workers`` > 1
+    runs the online policies in that many forked processes (each with its own plan cache; no audit
+    log or progress bar then); the offline policies run after them in this process."""
     policies = list(dict.fromkeys(policies))
     bad = [p for p in policies if p not in POLICIES]
     if bad:
@@ -316,6 +330,10 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     runs = len(trace) * (len(online) + ("static-naive" in policies))
     bar = _bar(progress, runs, trace.name)
     out: dict[str, PolicyResult] = {}
+    if workers > 1 and len(online) > 1 and not audit_path and bar is None:
+        out.update(_run_forked(online, workers, job, cluster, trace, gt, plans, dict(
+            params=params, horizon=horizon, margin=margin, seed=seed)))
+        online = []
     try:
         if "static-naive" in policies:
             out["static-naive"] = run_naive(job, trace, gt, tick=bar.update if bar else None)
@@ -338,6 +356,45 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     if wanted:
         out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams()))
     return {p: out[p] for p in policies}
+
+
+_FORKED: tuple = ()
+"""What the forked workers of ``_run_forked`` inherit (set just before the fork)."""
+
+
+def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, kw) -> dict[str, PolicyResult]:
+    """The online policies in ``workers`` forked processes. Policies that ask the solver the same
+    questions share a process (and so its plan cache): adaptive with adaptive-restart; the rest are
+    spread by their usual cost (costliest first, each to the least loaded process)."""
+    import multiprocessing as mp
+
+    global _FORKED
+    cost = {"adaptive": 4.0, "always": 3.0, "static": 1.0, "openrlhf": 1.0, "verl": 1.0, "adaptive-restart": 0.5}
+    groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
+    load = [0.0] * len(groups)
+    for n in sorted(names, key=lambda n: (n == "adaptive-restart", -cost.get(n, 1.0))):
+        k = next((i for i, g in enumerate(groups) if "adaptive" in g), None) if n == "adaptive-restart" else None
+        k = min(range(len(groups)), key=load.__getitem__) if k is None else k
+        groups[k].append(n)
+        load[k] += cost.get(n, 1.0)
+    _FORKED = (job, cluster, trace, gt, plans, kw)
+    try:
+        with mp.get_context("fork").Pool(len(groups)) as pool:
+            done = dict(r for rs in pool.imap_unordered(_forked_group, [g for g in groups if g]) for r in rs)
+    finally:
+        _FORKED = ()
+    return {n: done[n] for n in names}
+
+
+def _forked_group(names: list[str]) -> list[tuple[str, PolicyResult]]:
+    job, cluster, trace, gt, plans, kw = _FORKED
+    out = []
+    for name in names:
+        try:
+            out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
+        except NereusError as e:
+            out.append((name, _not_run(name, len(trace), str(e))))
+    return out
 
 
 def _bar(enabled: bool, total: int, desc: str):

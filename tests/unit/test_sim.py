@@ -6,7 +6,9 @@ import pytest
 
 from nereus.cli import main
 from nereus.simulator.simulate import simulate
+from nereus.simulator.schedules import TransitionSchedules
 from nereus.simulator.trace import parse_trace
+from nereus.simulator.truth.machine import GroundTruth
 from nereus.planner.specs import load_cluster, load_job
 
 TRACE = """# test trace: growing lengths, a cap raise and a GPU jump
@@ -21,10 +23,17 @@ KEYS = {"steps", "mean_step_s", "total_s", "transition_s", "transition_overhead"
 
 
 @pytest.fixture(scope="module")
-def results():
+def world():
     job = load_job("examples/grpo-7b.yaml")
     cluster = load_cluster("examples/cluster-h100-4n.yaml")
-    return simulate(job, cluster, parse_trace(TRACE, "test"), time_limit_s=2, seed=0)
+    trace = parse_trace(TRACE, "test")
+    return job, cluster, GroundTruth(job, cluster, trace, seed=0, schedule_fn=TransitionSchedules(job, cluster))
+
+
+@pytest.fixture(scope="module")
+def results(world):
+    job, cluster, gt = world
+    return simulate(job, cluster, parse_trace(TRACE, "test"), gt=gt, time_limit_s=2, seed=0)
 
 
 def test_no_online_policy_beats_the_oracle(results):
@@ -53,6 +62,36 @@ def test_summary_records_and_counts(results):
         assert abs(d["total_s"] - np.nansum(r.step_s) - d["transition_s"] - d["restart_s"]) < 1e-6
         assert d["label"] == "SIMULATED"
     assert results["adaptive"].to_dict()["transitions"] >= 1  # the GPU jump is taken
+
+
+def test_adaptive_restart_pays_the_truths_checkpoint_and_relaunch_for_every_switch(world, results):
+    """Restart mode: every plan change is charged the ground truth's checkpoint save + relaunch (far
+    above the live transition of the same pair), and the controller, pricing it so, switches less."""
+    _, _, gt = world
+    r, live = results["adaptive-restart"], results["adaptive"]
+    seq = [r.plans[k] for k in r.plan_index]
+    charged = 0
+    for i in range(1, len(seq)):
+        if r.transition_s[i] > 0:
+            charged += 1
+            assert r.transition_s[i] == pytest.approx(gt.switch_restart_s(seq[i - 1], seq[i]))
+            assert r.transition_s[i] > gt.transition_s(seq[i - 1], seq[i]) + 60  # a relaunch, not a reshard
+    assert charged >= 1  # the GPU jump is worth a relaunch
+    assert r.to_dict()["transitions"] <= live.to_dict()["transitions"]
+    assert gt.switch_restart_s(seq[0], seq[0]) == 0.0
+
+
+def test_forked_online_policies_give_the_sequential_results(world, results):
+    """``workers=2`` (online policies in forked processes, each with its own plan cache) changes the
+    speed, never a result."""
+    job, cluster, gt = world
+    names = ["static", "adaptive", "adaptive-restart"]
+    forked = simulate(job, cluster, parse_trace(TRACE, "test"), names, gt=gt, time_limit_s=2, seed=0, workers=2)
+    assert list(forked) == names
+    for n in names:
+        a, b = results[n], forked[n]
+        assert np.array_equal(np.array(a.step_s), np.array(b.step_s), equal_nan=True), n
+        assert a.transition_s == b.transition_s and a.ooms == b.ooms, n
 
 
 def test_cli_simulate_writes_json_and_rejects_bad_policy(tmp_path, capsys):

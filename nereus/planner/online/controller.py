@@ -52,6 +52,7 @@ from nereus.planner.cost.params import CostParams
 from nereus.planner.online.forecast import LengthForecaster
 from nereus.planner.plan import GiB, Plan, StagePlacement
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
+from nereus.planner.online.restart import TRANSITION_MODES, Emitter, RestartCost, restart_seconds
 from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
@@ -86,9 +87,13 @@ class Controller:
                  build_transition: bool = True, transition_cost_fn: Callable[[Plan, Plan], float] | None = None,
                  plans: PlanCache | None = None, audit: AuditLog | None = None, explore: bool = True,
                  max_probes: int = 1, probe_threshold: float = 0.10, probe_window: float = 0.10,
-                 probe_kappa: float = 1.0, cost_queries: int = 3) -> None:
+                 probe_kappa: float = 1.0, cost_queries: int = 3, transition_mode: str = "live",
+                 framework: str | None = None, emitter: Emitter | None = None,
+                 restart_cost: RestartCost | None = None) -> None:
         if mode not in MODES:
             raise NereusError(f"controller: mode must be one of {MODES}, got {mode!r}")
+        self._init_restart_mode(transition_mode, framework, emitter, restart_cost)
+        build_transition = build_transition and transition_mode == "live"  # restart mode relaunches, no graph
         self.job, self.cluster = job, cluster
         self.base_params = params or CostParams()
         self.horizon, self.margin, self.mode = int(horizon), float(margin), mode
@@ -159,6 +164,7 @@ class Controller:
         must = self._must_reason(m, cur)
         cands = self._candidates(ws, offsets, bool(must))
         d = self._decide(m, cur, cands, must, regime_change)
+        d = self._with_launch_config(d)
         d = replace(d, resolved=self.plans.solves > solves0, overhead_s=time.perf_counter() - t0)
         self._log(m, ws, cur, cands, d)
         return d
@@ -335,7 +341,10 @@ class Controller:
         c.horizon_s = total
 
     def transition_cost(self, a: Plan, b: Plan) -> float:
-        """Predicted seconds of a -> b (transition planner's estimate x learned correction)."""
+        """Predicted seconds of a -> b (transition planner's estimate x learned correction; in restart
+        mode the checkpoint-and-relaunch estimate x the same correction, see ``restart_cost_s``)."""
+        if self.transition_mode == "restart":
+            return self.restart_cost_s(a, b)
         if a.layout_key() == b.layout_key():
             return 0.0
         key = (a.layout_key(), b.layout_key())
@@ -344,6 +353,44 @@ class Controller:
             c = self._cost[key] = float(self._transition_cost_fn(a, b) if self._transition_cost_fn is not None
                                         else self.plans.transition_cost(a, b))
         return self.calibration.predict_transition(c)
+
+    # ---- restart mode (transition_mode="restart") ---------------------------------------------------
+    def _init_restart_mode(self, transition_mode: str, framework: str | None, emitter: Emitter | None,
+                           restart_cost: RestartCost | None) -> None:
+        """``transition_mode``: "live" (the executor reshards in place, priced by the transition
+        planner) or "restart" (the framework saves a checkpoint and relaunches with the new launch
+        configuration, priced by ``restart.restart_seconds``; every change of launch configuration,
+        knobs included, is a relaunch). ``framework`` (e.g. "verl") with ``emitter`` (the frameworks
+        package's ``launch_config``): a restart-mode switch carries the new plan as that framework's
+        launch configuration (``Decision.framework_config``); no framework: none."""
+        if transition_mode not in TRANSITION_MODES:
+            raise NereusError(f"controller: transition_mode must be one of {TRANSITION_MODES}, got {transition_mode!r}")
+        if framework is not None and emitter is None:
+            raise NereusError(f"controller: framework={framework!r} needs emitter= (the frameworks package's "
+                              f"launch_config; the planner does not import the emitters)")
+        self.transition_mode, self.framework, self._emitter = transition_mode, framework, emitter
+        self.restart_cost = restart_cost or RestartCost()
+
+    def restart_cost_s(self, a: Plan, b: Plan) -> float:
+        """Predicted seconds of switching a -> b by checkpoint and relaunch (0 when the launch
+        configuration does not change), x the transition calibration learned from reported restarts."""
+        if plan_key(a) == plan_key(b):
+            return 0.0
+        key = (a.layout_key(), b.layout_key())  # the raw estimate, which report_transition calibrates
+        c = self._cost.get(key)
+        if c is None:
+            c = self._cost[key] = restart_seconds(self.job, self.cluster, a, b, self.restart_cost)
+        return self.calibration.predict_transition(c)
+
+    def _with_launch_config(self, d: Decision) -> Decision:
+        """A restart-mode switch carries the new plan as the framework's launch configuration."""
+        if d.action != "switch" or self.transition_mode != "restart" or self.framework is None:
+            return d
+        from nereus.planner.solver import PlanProblem
+
+        problem = PlanProblem(job=self.job, cluster=self.plans.cluster_for(d.plan.num_gpus), workload=self._ws0,
+                              params=self.calibration.params(self.base_params))
+        return replace(d, framework_config=dict(self._emitter(self.framework, problem, d.plan)))
 
     def _must_reason(self, m: StepMetrics, cur: _Candidate) -> str:
         if m.oom:

@@ -4,7 +4,7 @@ metric dicts in ``adapters.py``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from nereus.planner.plan import Plan
 from nereus.planner.transition.types import TransitionPlan
@@ -53,3 +53,7 @@ class Decision:
     feasible: bool = True
     """False when no feasible plan is known for the next step (the caller cannot run it safely)."""
     overhead_s: float = 0.0
+    framework_config: Mapping[str, Any] | None = None
+    """Restart mode: the new plan as the framework's launch configuration (framework, version,
+    variant, command, args, script, gaps; ``restart.emit_config``), to relaunch from the checkpoint with.
+    None in live mode, when staying, or when the controller was given no framework."""

@@ -10,8 +10,10 @@ only configurations that could be optimal.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+
+import numpy as np
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
@@ -142,6 +144,45 @@ def layouts(problem: PlanProblem, unit: Unit, size: int) -> list[tuple[int, int]
     return [x for x in out if pin is None or x == pin]
 
 
+UNIT_FACTORS = (("generation", 1.0), ("inference", 1.0), ("training", 1.0))
+ESTIMATE_CACHE_MAX = 150_000
+_estimates: dict[tuple, object] = {}
+_prefixes: dict[tuple, int] = {}
+
+
+class _Estimator:
+    """``estimate`` for one problem, memoised across problems that differ only in their stage
+    factors (the online controller's calibration), constraints or current plan: a stage factor
+    multiplies every time term of its stage (``cost.model._finish``) and nothing else, so the
+    unscaled estimate is cached and scaled here. Same numbers as ``estimate`` up to float rounding."""
+
+    def __init__(self, problem: PlanProblem) -> None:
+        p = problem.params
+        self.j, self.c, self.w, self.p = problem.job, problem.cluster, problem.workload, p
+        unit = replace(p, stage_factor=UNIT_FACTORS)
+        key = (self.j, self.c, self.w, unit)
+        if key not in _prefixes:
+            if len(_prefixes) > 4096:
+                _prefixes.clear()
+                _estimates.clear()
+            _prefixes[key] = len(_prefixes)
+        self.prefix, self.unit = _prefixes[key], unit
+
+    def __call__(self, model_stage: str, cfg: ParallelConfig, kv_budget_bytes: float | None = None):
+        key = (self.prefix, model_stage, cfg, kv_budget_bytes)
+        e = _estimates.get(key)
+        if e is None:
+            if len(_estimates) > ESTIMATE_CACHE_MAX:
+                _estimates.clear()
+            e = _estimates[key] = estimate(self.j, self.c, model_stage, cfg, self.w, self.unit,
+                                           kv_budget_bytes=kv_budget_bytes)
+        f = self.p.factor(model_stage.partition("/")[2])
+        if f == 1.0:
+            return e
+        return replace(e, time_s=sum(v * f for v in e.time_breakdown.values()),
+                       time_breakdown={k: v * f for k, v in e.time_breakdown.items()})
+
+
 def _kib(x: float) -> int:
     return int(math.ceil(x / KIB))
 
@@ -152,6 +193,7 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
     if unit.name == GEN:
         return _generation_options(problem, ui, unit, size, n_phases, sync_keys)
     j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
+    est = _Estimator(problem)
     cap = c.gpu.usable_bytes
     cs = problem.candidates
     trainable = len(unit.stages) == 2
@@ -168,11 +210,11 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
             for zero in (cs.zeros if trainable else (1,)):
                 for rc in (cs.recompute if trainable else (False,)):
                     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
-                    ests = [estimate(j, c, unit.stages[0], cfg, w, p)]
+                    ests = [est(unit.stages[0], cfg)]
                     if trainable:  # inference ignores ZeRO and recompute: estimate it once per layout
                         key = (tp, pp, mb, sp)
                         if key not in infer_cache:
-                            infer_cache[key] = estimate(j, c, unit.stages[1], cfg, w, p)
+                            infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])
                     for off in (cs.offload if trainable else (False,)):
                         opt = _option(ui, unit, size, cfg, ests, n_phases, cap, off, p)
@@ -205,11 +247,12 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
                         sync_keys: tuple) -> list[Option]:
     """Generation at each KV budget level; levels above the peak KV demand change nothing."""
     j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
+    est = _Estimator(problem)
     model = j.model("actor")
     out: list[Option] = []
     for tp, pp in layouts(problem, unit, size):
         cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp))
-        base = estimate(j, c, GEN, cfg, w, p)
+        base = est(GEN, cfg)
         full = c.gpu.usable_bytes * engine_memory_util(j, p) - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
         demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf
         sync = tuple(weight_sync_s(model, ParallelConfig(dp=ts), cfg, c, col, p) for ts, col in sync_keys)
@@ -220,7 +263,7 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
                 if seen_enough:
                     continue
                 seen_enough = True
-            e = base if f == 1.0 else estimate(j, c, GEN, cfg, w, p, kv_budget_bytes=budget)
+            e = base if f == 1.0 else est(GEN, cfg, kv_budget_bytes=budget)
             if not e.fits:
                 continue
             durs = [0.0] * n_phases
@@ -239,6 +282,27 @@ def prune_dominated(opts: list[Option]) -> list[Option]:
     """Drop options no better than another on every axis (time per phase, resident, transient,
     weight sync); among exact ties keep the first. An option can only be dominated by one that
     sorts before it, so one pass over the sorted list against the kept ones suffices."""
+    if not opts:
+        return []
+    axes = [_axes(o) for o in opts]
+    order = sorted(range(len(opts)), key=lambda i: (axes[i], i))
+    width = max(len(a) for a in axes)
+    kept = np.empty((len(opts), width))  # rows of the options kept so far, compared at once
+    n_kept = 0
+    keep_idx = []
+    for i in order:
+        a = axes[i]
+        if len(a) != width:  # options of one unit and size share their axes; keep the general path exact
+            return _prune_dominated_loop(opts)
+        if n_kept and bool((kept[:n_kept] <= np.asarray(a)).all(axis=1).any()):
+            continue
+        kept[n_kept] = a
+        n_kept += 1
+        keep_idx.append(i)
+    return [opts[i] for i in sorted(keep_idx)]
+
+
+def _prune_dominated_loop(opts: list[Option]) -> list[Option]:
     order = sorted(range(len(opts)), key=lambda i: (_axes(opts[i]), i))
     kept: list[tuple] = []
     keep_idx = []
@@ -276,6 +340,9 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
     sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
     if problem.constraints.placement == "colocated":
         sizes = (c.num_gpus,)
+    elif problem.constraints.fixed_placement is not None:
+        # every unit sits on its fixed pool: options on other pool sizes could never be chosen
+        sizes = fixed_sizes(problem)
     n_phases = len(problem.job.phases())
     sync_keys = tuple((s, col) for s in sizes for col in (False, True))
     options = []

@@ -55,6 +55,31 @@ class Observation:
     """Seconds burnt before a failure (0 when the step ran)."""
 
 
+class LayoutChangePrices:
+    """Seconds of a layout change a -> b, priced once per (layout, layout) pair by ``price(a, b)``;
+    a change to the same layout is free. The one home of that rule for every simulated world (this
+    ground truth and ``simulator/model_world.py``)."""
+
+    def __init__(self, price: Callable[[Plan, Plan], float]) -> None:
+        self._price = price
+        self._seen: dict[tuple, float] = {}
+
+    def __call__(self, a: Plan, b: Plan) -> float:
+        if a.layout_key() == b.layout_key():
+            return 0.0
+        key = (a.layout_key(), b.layout_key())
+        hit = self._seen.get(key)
+        if hit is None:
+            hit = self._seen[key] = float(self._price(a, b))
+        return hit
+
+    def known(self, a: Plan, b: Plan) -> float | None:
+        """The price if already computed (or free), else None."""
+        if a.layout_key() == b.layout_key():
+            return 0.0
+        return self._seen.get((a.layout_key(), b.layout_key()))
+
+
 def plan_key(plan: Plan) -> tuple:
     return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
                   s.config.zero, s.config.recompute, getattr(s.config, "sp", 1), getattr(s.config, "token_budget", 0))
@@ -94,7 +119,7 @@ class GroundTruth:
         self._stage: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._coeffs: dict[tuple, tuple[np.ndarray, float]] = {}
         self._plans: dict[tuple, dict] = {}
-        self._trans: dict[tuple, float] = {}
+        self._trans = LayoutChangePrices(self._live_transition_s)
         self._step_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # ---- lengths -------------------------------------------------------------------------------
@@ -285,31 +310,41 @@ class GroundTruth:
     # ---- transitions and restarts ----------------------------------------------------------------
     def transition_s(self, a: Plan, b: Plan) -> float:
         """Blocking seconds of a live switch a -> b (0 for the same layout)."""
-        if a.layout_key() == b.layout_key():
-            return 0.0
-        key = (a.layout_key(), b.layout_key())
-        hit = self._trans.get(key)
-        if hit is None:
-            if self.schedule_fn is None:
-                raise SpecError("ground truth: no transition schedule function to price a layout change")
-            t = network.replay(self.schedule_fn(a, b), self.links) + network.COMM_REBUILD_S
-            ga, gb = a.stage("actor/generation"), b.stage("actor/generation")
-            if (ga.first_gpu, ga.gpus, ga.config.tp, ga.config.pp, ga.config.dp) != \
-                    (gb.first_gpu, gb.gpus, gb.config.tp, gb.config.pp, gb.config.dp):
-                t += network.ENGINE_START_S
-            hit = self._trans[key] = t
-        return hit
+        return self._trans(a, b)
 
     def known_transition(self, a: Plan, b: Plan) -> float | None:
-        if a.layout_key() == b.layout_key():
-            return 0.0
-        return self._trans.get((a.layout_key(), b.layout_key()))
+        return self._trans.known(a, b)
+
+    def _live_transition_s(self, a: Plan, b: Plan) -> float:
+        if self.schedule_fn is None:
+            raise SpecError("ground truth: no transition schedule function to price a layout change")
+        t = network.replay(self.schedule_fn(a, b), self.links) + network.COMM_REBUILD_S
+        ga, gb = a.stage("actor/generation"), b.stage("actor/generation")
+        if (ga.first_gpu, ga.gpus, ga.config.tp, ga.config.pp, ga.config.dp) != \
+                (gb.first_gpu, gb.gpus, gb.config.tp, gb.config.pp, gb.config.dp):
+            t += network.ENGINE_START_S
+        return t
 
     def restart_s(self, plan: Plan) -> float:
         """Seconds of a crash and relaunch on ``plan`` (checkpoint of every model read back)."""
-        total = sum((16 if role in TRAINABLE else 2) * self.job.model(role).num_params() for role in self.job.roles)
-        nodes = -(-plan.num_gpus // self.cluster.gpus_per_node)
-        return network.restart_s(total, nodes)
+        total = sum(self._checkpoint_bytes(role) for role in self.job.roles)
+        return network.restart_s(total, self._nodes(plan))
+
+    def switch_restart_s(self, a: Plan, b: Plan) -> float:
+        """Seconds of a planned switch a -> b by checkpoint and relaunch (restart mode): the trainable
+        models' states written from a's nodes, then a relaunch on b. 0 when nothing changes."""
+        if plan_key(a) == plan_key(b):
+            return 0.0
+        saved = sum(self._checkpoint_bytes(role) for role in self.job.roles if role in TRAINABLE)
+        return network.checkpoint_save_s(saved, self._nodes(a)) + self.restart_s(b)
+
+    def _checkpoint_bytes(self, role: str) -> float:
+        """A trainable model's checkpoint: bf16 weights + fp32 master + Adam moments + fp32 gradient
+        buffer as Megatron saves it (16 bytes per parameter); a frozen model's bf16 weights."""
+        return (16 if role in TRAINABLE else 2) * self.job.model(role).num_params()
+
+    def _nodes(self, plan: Plan) -> int:
+        return -(-plan.num_gpus // self.cluster.gpus_per_node)
 
     # ---- one model-stage on its own (differential checks) ------------------------------------------
     def stage_times(self, s: StagePlacement, steps: np.ndarray, resident_bytes: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,9 @@ send port and the receiver's receive port are free (local copies use the GPU's c
 its HBM bandwidth). On top: rebuilding the communicators of changed groups (``COMM_REBUILD_S``) and,
 when the generation layout changes, starting a new inference engine (``ENGINE_START_S``).
 
+Restart-mode switches (a framework that cannot reshard live): a checkpoint written
+(``checkpoint_save_s``) and a relaunch on the new layout (``restart_s``).
+
 Every constant without a corpus row is an assumption and says so.
 """
 from __future__ import annotations
@@ -36,6 +39,8 @@ PROCESS_START_S = 60.0
 """Assumption: relaunching the job's processes after a crash (scheduler, imports, NCCL init)."""
 CHECKPOINT_BPS_PER_NODE = 2e9
 """Assumption: checkpoint read bandwidth per node from shared storage."""
+CHECKPOINT_WRITE_BPS_PER_NODE = 1e9
+"""Assumption: checkpoint write bandwidth per node to shared storage (writes run slower than reads)."""
 KV_REALLOC_S = 0.5
 """Assumption: re-allocating the KV cache when a colocated engine wakes up."""
 
@@ -104,6 +109,11 @@ def wake_sleep_s(gen_bytes_per_gpu: float) -> float:
 def restart_s(state_bytes_total: float, nodes: int) -> float:
     """A crash: relaunch, read the checkpoint, start the engine."""
     return PROCESS_START_S + state_bytes_total / (max(1, nodes) * CHECKPOINT_BPS_PER_NODE) + ENGINE_START_S
+
+
+def checkpoint_save_s(state_bytes_saved: float, nodes: int) -> float:
+    """Writing a checkpoint before a planned relaunch (restart-mode switch)."""
+    return state_bytes_saved / (max(1, nodes) * CHECKPOINT_WRITE_BPS_PER_NODE)
 
 
 def as_tasks(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Iterable[tuple[int, int, float]]:
