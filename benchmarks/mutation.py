@@ -34,9 +34,11 @@ EQUIVALENT = Path(__file__).with_name("mutation_equivalent.json")
 MODULES: dict[str, dict] = {
     "apply": {"path": "nereus/executor/apply.py", "isolation": "forkserver",
               "tests": ["tests/unit/test_executor_apply.py", "tests/unit/test_executor_verify.py",
-                        "tests/unit/test_executor_apply_paths.py"]},
+                        "tests/unit/test_executor_apply_paths.py", "tests/unit/test_executor_merge.py"]},
     "controller": {"path": "nereus/planner/online/controller.py", "isolation": "fork",
-                   "tests": ["tests/unit/test_controller_thresholds.py", "tests/unit/test_controller_api.py"]},
+                   "tests": ["tests/unit/test_controller_thresholds.py", "tests/unit/test_controller_api.py",
+                             "tests/unit/test_controller_restart.py", "tests/unit/test_controller_rollback.py",
+                             "tests/unit/test_shape_calibration.py"]},
     "solve": {"path": "nereus/planner/solver/solve.py", "isolation": "fork",
               "tests": ["tests/unit/test_solver.py", "tests/unit/test_solver_oracle.py",
                         "tests/unit/test_solver_statuses.py"],

@@ -131,3 +131,13 @@ def test_a_memory_underestimate_on_a_small_device_reserves_about_the_underestima
     q = usable / 64
     assert under <= ctl.calibration.reserve_gib <= under + q + 1e-12, (ctl.calibration.reserve_gib, usable)
     assert ctl.calibration.reserve_gib < 0.1 * usable
+
+
+def test_a_decision_says_why_what_it_cost_to_decide_and_whether_it_re_solved(env):
+    ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1.0, horizon=50, plans=env.plans,
+                     initial_gpus=8, build_transition=False)
+    d = ctl.step(_metrics(env, 0, ctl.plan))
+    assert d.action == "switch" and d.reason.startswith("saving ") and "over the horizon > 1.0s x (1 + " in d.reason
+    assert 0 < d.overhead_s < 60, d.overhead_s  # seconds this decision took, not a clock reading
+    rec = ctl.audit.records[-1]
+    assert rec["resolved"] is d.resolved

@@ -178,3 +178,56 @@ def test_an_estimate_as_json_carries_every_field_of_the_estimate():
     assert d["time_breakdown"] == dict(e.time_breakdown) and d["mem_breakdown"] == dict(e.mem_breakdown)
     assert d["notes"] == list(e.notes) and e.notes and d["waves"] == e.waves > 1
     assert d["mem_bytes"] == e.mem_bytes and d["fits"] == e.fits and d["model_stage"] == "actor/generation"
+
+
+# ---- pinned by the mutation run of this round (each fails on a mutant that survived it) -----------
+def test_fp32_state_is_4_4_8_bytes_per_parameter_unsharded():
+    s = cm.model_state_bytes(1000.0, 4, 0, dtype_bytes=4)
+    assert (s["weights"], s["grads"], s["optimizer"]) == (4000.0, 4000.0, 8000.0), s
+
+
+def test_a_decode_iteration_pays_the_engines_overhead_on_top_of_its_kernels():
+    p = CostParams()
+    mem, cmp_, comm = decode_step_s(M8B, 2, 1, 64, 2048, H100, p)
+    want = max(mem, cmp_) + comm + p.iteration_overhead_s("vllm", 64)
+    assert cm.decode_iteration_s(M8B, 2, 1, 64, 2048, H100, p) == pytest.approx(want, rel=1e-12)
+    assert p.iteration_overhead_s("vllm", 64) > 0
+
+
+def test_training_pays_pipeline_p2p_only_with_pipeline_stages():
+    j = job()
+    one = estimate(j, H100, "actor/training", ParallelConfig(tp=2, pp=1, dp=4, zero=1, micro_batch=2))
+    two = estimate(j, H100, "actor/training", ParallelConfig(tp=2, pp=2, dp=2, zero=1, micro_batch=2))
+    assert one.time_breakdown["pp_p2p"] == 0.0 < two.time_breakdown["pp_p2p"]
+
+
+def test_without_zero_every_rank_steps_the_whole_optimizer():
+    j = job()
+    z0 = estimate(j, H100, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, zero=0, micro_batch=2))
+    z1 = estimate(j, H100, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, zero=1, micro_batch=2))
+    assert z0.time_breakdown["optimizer"] == pytest.approx(8 * z1.time_breakdown["optimizer"], rel=1e-9)
+
+
+def test_host_overhead_counts_three_passes_per_micro_batch_and_four_with_recompute():
+    p = replace(CostParams(), micro_batch_overhead_s=0.01)
+    j = job()
+    plain = estimate(j, H100, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, zero=1, micro_batch=2), params=p)
+    rc = estimate(j, H100, "actor/training", ParallelConfig(tp=1, pp=1, dp=8, zero=1, micro_batch=2, recompute=True),
+                  params=p)
+    assert rc.time_breakdown["overhead"] == pytest.approx(plain.time_breakdown["overhead"] * 4 / 3, rel=1e-12)
+
+
+def test_weight_sync_stays_on_nvlink_when_a_generation_replica_fills_exactly_one_node():
+    train, gen = ParallelConfig(tp=8, dp=1), ParallelConfig(tp=8, dp=1)
+    p = CostParams()
+    inside = cm.weight_sync_s(M8B, train, gen, H100, colocated=True, params=p)
+    across = cm.weight_sync_s(M8B, train, gen, H100, colocated=False, params=p)
+    assert inside < across
+
+
+@pytest.mark.parametrize("bad", [-1, "3", True, 2.5])
+def test_stage_options_refuse_a_bad_pad_width(bad):
+    from nereus.errors import SpecError
+
+    with pytest.raises(SpecError, match="pad_to"):
+        cm.StageOptions(pad_to=bad)

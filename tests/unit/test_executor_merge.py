@@ -81,3 +81,23 @@ def test_a_transition_with_joined_pieces_is_bit_exact():
     for s in stores:
         assert mismatches(s, JOB, 0) == []
     assert sum(o.bytes_sent + o.bytes_copied for o in out) == TPLAN.bytes_moved
+
+
+def test_reserve_arena_carves_the_transitions_buffers_at_start_and_leaves_the_store_unchanged():
+    """``reserve_arena`` takes from a cold arena the host memory the transition will ask for (new
+    regions, staging and checksum buffers), touches it and hands it back to the cache; asked again
+    for the same transition it reuses those buffers; the store's bytes never change."""
+    from nereus.executor import arena
+    from nereus.executor.apply import reserve_arena
+    from nereus.executor.store import checksum
+
+    arena.release_cached()
+    assert arena.cached_bytes() == 0
+    store = ShardStore()
+    init_store(store, JOB, A, 1, 0, roles=("actor",), precision="bf16-mixed")
+    before = {k: checksum(t) for k, t in store.items()}
+    reserved = reserve_arena(store, TPLAN, 1, staging_bytes=None)
+    assert reserved == arena.cached_bytes() > 0
+    assert reserve_arena(store, TPLAN, 1, staging_bytes=None) == reserved  # the same buffers, reused
+    assert {k: checksum(t) for k, t in store.items()} == before
+    arena.release_cached()
