@@ -6,7 +6,7 @@ import pytest
 from nereus.planner.online.adapters import from_verl
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.online.forecast import LengthForecaster
-from nereus.simulator.groundtruth import GroundTruth
+from nereus.simulator.model_world import ModelWorld
 from nereus.planner.specs import load_cluster, load_job
 
 EX = "examples/"
@@ -16,7 +16,7 @@ EX = "examples/"
 def setup():
     job = load_job(EX + "grpo-7b.yaml")
     cluster = load_cluster(EX + "cluster-h100-1n.yaml")
-    return job, cluster, GroundTruth(job, cluster, seed=1)
+    return job, cluster, ModelWorld(job, cluster, seed=1)
 
 
 def _metrics(step, w, obs, gpus=8, cap=None):
@@ -44,7 +44,7 @@ def test_never_switches_when_saving_cannot_repay(setup, cost_s, expect_switch):
     over the horizon cannot repay it, so the controller stays (and the control case switches)."""
     job, _, _ = setup
     cluster = load_cluster(EX + "cluster-h100-4n.yaml")
-    gt = GroundTruth(job, cluster, seed=1)
+    gt = ModelWorld(job, cluster, seed=1)
     ctl = Controller(job, cluster, initial_gpus=8, transition_cost_fn=lambda a, b: cost_s, horizon=50, time_limit_s=2)
     w = job.workload()
     switched = []
@@ -63,7 +63,7 @@ def test_never_switches_when_saving_cannot_repay(setup, cost_s, expect_switch):
 
 def test_no_flapping_on_noisy_flat_trace(setup):
     job, cluster, _ = setup
-    gt = GroundTruth(job, cluster, seed=3, noise=0.08)
+    gt = ModelWorld(job, cluster, seed=3, noise=0.08)
     ctl = Controller(job, cluster, time_limit_s=2)
     base = job.workload()
     switches = 0
@@ -164,7 +164,7 @@ def test_no_speed_switch_when_the_transition_would_not_fit_with_the_old_state_ke
     the new one is not taken: the controller stays and says why."""
     job, _, _ = setup
     cluster = load_cluster(EX + "cluster-h100-4n.yaml")
-    gt = GroundTruth(job, cluster, seed=1)
+    gt = ModelWorld(job, cluster, seed=1)
     ctl = Controller(job, cluster, initial_gpus=8, transition_cost_fn=lambda a, b: 1.0, horizon=50, time_limit_s=2)
     w = job.workload()
     decisions = [ctl.step(_metrics(step, w, gt.observe(ctl.plan, w, step), gpus=32)) for step in range(6)]

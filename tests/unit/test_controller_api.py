@@ -4,31 +4,12 @@ built with its transition plan, the audit record of every decision (the README's
 scenario as test_controller_thresholds.py: GRPO-7B starting on 8 of 32 H100s."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from nereus.planner.online.controller import Controller, StepMetrics
-from nereus.planner.online.plan_cache import PlanCache
-from nereus.planner.specs import load_cluster, load_job
 from nereus.planner.transition.types import TransitionPlan
-from nereus.simulator.groundtruth import GroundTruth
 
-EX = "examples/"
-
-
-@pytest.fixture(scope="module")
-def env():
-    job = load_job(EX + "grpo-7b.yaml")
-    cluster = load_cluster(EX + "cluster-h100-4n.yaml")
-    return SimpleNamespace(job=job, cluster=cluster, w=job.workload(), gt=GroundTruth(job, cluster, seed=1),
-                           plans=PlanCache(job, cluster, time_limit_s=10, seed=0))
-
-
-def _metrics(env, step, plan, gpus=32, **kw) -> StepMetrics:
-    obs = env.gt.observe(plan, env.w, step)
-    return StepMetrics(step=step, response_len_mean=env.w.response_len_mean, response_len_max=env.w.response_len_max,
-                       stage_times=dict(obs.stage_s), gpus_available=gpus, oom=not obs.feasible, **kw)
+from controller_env import env, observed  # noqa: F401 - the scenario's module fixture
 
 
 def test_a_switch_built_with_its_transition_carries_the_plan_between_the_two_layouts(env):
@@ -37,7 +18,7 @@ def test_a_switch_built_with_its_transition_carries_the_plan_between_the_two_lay
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e-3, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=True)  # a cost > 0: a real move, built
     before = ctl.plan
-    d = ctl.step(_metrics(env, 0, before))
+    d = ctl.step(observed(env, 0, before))
     assert d.action == "switch" and d.plan.num_gpus == 32, d.reason
     assert isinstance(d.transition, TransitionPlan) and d.transition.bytes_moved > 0
     want = plan_transition(env.job, env.cluster, before, d.plan)
@@ -49,7 +30,7 @@ def test_every_decision_is_audited_with_its_reason_and_the_predicted_step_time(e
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e9, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=False)
     plan = ctl.plan
-    d = ctl.step(_metrics(env, 0, plan, gpus=8))
+    d = ctl.step(observed(env, 0, plan, gpus=8))
     rec = ctl.audit.records[-1]
     assert rec["step"] == 0 and rec["decision"] == d.action and rec["must"] == d.must and rec["reason"] == d.reason
     assert rec["gpus"] == 8
@@ -63,7 +44,7 @@ def test_a_cap_raise_the_current_plan_cannot_hold_forces_a_switch_that_says_why(
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e9, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=False)
     cap = 16 * env.job.sequence.response_len_max
-    d = ctl.step(_metrics(env, 0, ctl.plan, response_len_cap=cap))
+    d = ctl.step(observed(env, 0, ctl.plan, response_len_cap=cap))
     assert d.must and d.action == "switch", d.reason
     assert d.reason.startswith("must switch: current plan predicted out of memory next step;"), d.reason
 
@@ -73,14 +54,14 @@ def test_the_always_re_plan_mode_takes_the_fastest_plan_for_the_next_step_then_s
     next step, when it beats the current plan by more than 0.5%; on that plan the next step stays."""
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e9, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=False, mode="always")
-    d = ctl.step(_metrics(env, 0, ctl.plan))
+    d = ctl.step(observed(env, 0, ctl.plan))
     rec = ctl.audit.records[-1]
     assert d.action == "switch" and d.reason.startswith("always: best plan for next step"), d.reason
     assert "best-next" in {c["origin"] for c in rec["candidates"]}
     fastest = min(c["step_s"] for c in rec["candidates"])
     assert ctl.predict(d.plan, ctl._ws0)[0] == pytest.approx(fastest, rel=1e-9)
     assert fastest < 0.995 * rec["current_step_s"]
-    again = ctl.step(_metrics(env, 1, d.plan))
+    again = ctl.step(observed(env, 1, d.plan))
     assert again.action == "stay" and again.reason.startswith("always: current plan is the best"), again.reason
 
 
@@ -90,7 +71,7 @@ def test_the_horizon_spans_the_steps_left_and_integrates_the_predicted_step_time
     times min(50, steps left after this one), at least one step."""
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e9, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=False, total_steps=100)
-    ctl.step(_metrics(env, step, ctl.plan, gpus=8))
+    ctl.step(observed(env, step, ctl.plan, gpus=8))
     rec = ctl.audit.records[-1]
     assert rec["current_horizon_s"] == pytest.approx(left * rec["current_step_s"], rel=1e-9)
 
@@ -102,7 +83,7 @@ def test_the_observed_tail_of_the_response_lengths_enters_the_calibration(env):
     def calibrated(p90):
         ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e9, horizon=50, plans=env.plans,
                          initial_gpus=8, build_transition=False)
-        ctl.step(_metrics(env, 0, ctl.plan, gpus=8, response_len_p90=p90))
+        ctl.step(observed(env, 0, ctl.plan, gpus=8, response_len_p90=p90))
         return ctl.calibration.to_dict()["model_stage"]["actor/generation"]
 
     mean, mx = env.w.response_len_mean, env.w.response_len_max
@@ -136,7 +117,7 @@ def test_a_memory_underestimate_on_a_small_device_reserves_about_the_underestima
 def test_a_decision_says_why_what_it_cost_to_decide_and_whether_it_re_solved(env):
     ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1.0, horizon=50, plans=env.plans,
                      initial_gpus=8, build_transition=False)
-    d = ctl.step(_metrics(env, 0, ctl.plan))
+    d = ctl.step(observed(env, 0, ctl.plan))
     assert d.action == "switch" and d.reason.startswith("saving ") and "over the horizon > 1.0s x (1 + " in d.reason
     assert 0 < d.overhead_s < 60, d.overhead_s  # seconds this decision took, not a clock reading
     rec = ctl.audit.records[-1]

@@ -17,22 +17,12 @@ from nereus.errors import NereusError
 from nereus.frameworks import emit, launch_config
 from nereus.planner.cost.plan_times import plan_key
 from nereus.planner.online.controller import Controller, StepMetrics
-from nereus.planner.online.plan_cache import PlanCache
 from nereus.planner.online.restart import RestartCost, checkpoint_bytes, restart_seconds
 from nereus.planner.solver import solve
-from nereus.planner.specs import load_cluster, load_job
-from nereus.simulator.model_world import ModelWorld
 
-EX = "examples/"
+from controller_env import env  # noqa: F401 - the scenario's module fixture
+
 H = 50
-
-
-@pytest.fixture(scope="module")
-def env():
-    job = load_job(EX + "grpo-7b.yaml")
-    cluster = load_cluster(EX + "cluster-h100-4n.yaml")
-    return SimpleNamespace(job=job, cluster=cluster, w=job.workload(), gt=ModelWorld(job, cluster, seed=1),
-                           plans=PlanCache(job, cluster, time_limit_s=10, seed=0))
 
 
 def _ctl(env, **kw) -> Controller:

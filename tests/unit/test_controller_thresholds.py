@@ -12,29 +12,18 @@ Thresholds are computed from the controller's own numbers (``Decision.saving_per
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from nereus.planner.cost.plan_times import plan_key
 from nereus.planner.online.calibration import OnlineCalibration
 from nereus.planner.online.controller import Controller, StepMetrics
-from nereus.planner.online.plan_cache import PlanCache, tp_pp_of
-from nereus.planner.specs import load_cluster, load_job
-from nereus.simulator.groundtruth import GroundTruth
+from nereus.planner.online.plan_cache import tp_pp_of
 
-EX = "examples/"
+from controller_env import env  # noqa: F401 - the scenario's module fixture
+
 H = 50
 """Horizon in steps (no ``total_steps``, so every decision looks H steps ahead)."""
-
-
-@pytest.fixture(scope="module")
-def env():
-    job = load_job(EX + "grpo-7b.yaml")
-    cluster = load_cluster(EX + "cluster-h100-4n.yaml")
-    # one plan cache for every controller of the module: the same solver answers, solved once
-    return SimpleNamespace(job=job, cluster=cluster, w=job.workload(), gt=GroundTruth(job, cluster, seed=1),
-                           plans=PlanCache(job, cluster, time_limit_s=10, seed=0))
 
 
 def _ctl(env, cost_fn, **kw) -> Controller:
