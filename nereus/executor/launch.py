@@ -134,14 +134,8 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
             if r not in got and store.check([f"{key}{r}"]):
                 got[r] = pickle.loads(store.get(f"{key}{r}"))
         time.sleep(0.05)
-    hung = [r for r in range(world) if r not in got]
-    errors = [(r, v.decode()) for r, (s, v) in sorted(got.items()) if s == "error"]
-    if errors:
-        r, tb = errors[0]
-        raise RankFailed(f"rank {r} of {world} failed ({len(errors)} rank(s) failed, no answer: {hung}):\n{tb}")
-    if hung and not allow_hung:
-        raise RankFailed(f"rank(s) {hung} of {world} did not finish within {timeout_s:g} s")
-    return [pickle.loads(got[r][1]) if r in got else HUNG for r in range(world)]
+    return _results(got, world, [r for r in range(world) if r not in got], allow_hung,
+                    f"did not finish within {timeout_s:g} s")
 
 
 def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo",
@@ -178,10 +172,16 @@ def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backe
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    errors = [(r, v) for r, (s, v) in sorted(got.items()) if s == "error"]
+    return _results(got, world, hung, allow_hung, f"did not finish within {timeout_s:g} s and were killed")
+
+
+def _results(got: dict[int, tuple[str, Any]], world: int, hung: list[int], allow_hung: bool, late: str) -> list[Any]:
+    """Per rank in order, the unpickled result (``HUNG`` for a rank without one); the first failing
+    rank's traceback raised as ``RankFailed``, and missing ranks unless ``allow_hung``."""
+    errors = [(r, v.decode() if isinstance(v, bytes) else v) for r, (s, v) in sorted(got.items()) if s == "error"]
     if errors:
         r, tb = errors[0]
-        raise RankFailed(f"rank {r} of {world} failed ({len(errors)} rank(s) failed, hung: {hung}):\n{tb}")
+        raise RankFailed(f"rank {r} of {world} failed ({len(errors)} rank(s) failed, no answer: {hung}):\n{tb}")
     if hung and not allow_hung:
-        raise RankFailed(f"rank(s) {hung} of {world} did not finish within {timeout_s:g} s and were killed")
+        raise RankFailed(f"rank(s) {hung} of {world} {late}")
     return [pickle.loads(got[r][1]) if r in got else HUNG for r in range(world)]
