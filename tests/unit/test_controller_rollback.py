@@ -31,3 +31,17 @@ def test_a_rolled_back_switch_returns_the_controller_to_the_old_plan_and_is_audi
     d1 = ctl.step(observed(env, 1, before))
     assert ctl.audit.records[-1]["decision"] == d1.action == "stay" and not d1.must
     assert "within 3 steps of the last switch" in d1.reason and ctl.plan == before
+
+
+def test_a_switch_the_next_step_ran_on_cannot_be_rolled_back(env):
+    """Once a step has run after the switch, the switch was applied: a late report_rollback is refused
+    instead of returning the controller to a plan the job no longer runs."""
+    ctl = Controller(env.job, env.cluster, transition_cost_fn=lambda a, b: 1e-3, horizon=50, plans=env.plans,
+                     initial_gpus=8, build_transition=False, min_dwell=10)
+    d = ctl.step(observed(env, 0, ctl.plan))
+    assert d.action == "switch", d.reason
+    d1 = ctl.step(observed(env, 1, d.plan))
+    assert d1.action == "stay", d1.reason
+    with pytest.raises(NereusError, match="without a switch"):
+        ctl.report_rollback("too late")
+    assert ctl.plan == d.plan

@@ -131,6 +131,8 @@ class Controller:
         self._ran_ok: dict[tuple, tuple[int, float]] = {}
         """Per plan run without OOM: (cap, largest mean response length) it ran at."""
         self._h = 1
+        self._prev_plan: Plan | None = None
+        """The plan before the last switch, until the next step's metrics say the switch was applied."""
         if initial_plan is None:
             w0 = initial_workload or self._base_w
             initial_plan = self.plans.best(rule, w0, self.gpus, self.base_params)
@@ -144,6 +146,7 @@ class Controller:
     def step(self, m: StepMetrics) -> Decision:
         """Ingest step ``m.step``'s metrics; decide the plan of the next step."""
         t0 = time.perf_counter()
+        self._prev_plan = None  # this step ran: the last switch, if any, was applied
         solves0 = self.plans.solves
         w_obs = self._observed_workload(m)
         self._calibrate(m, w_obs)
@@ -181,7 +184,7 @@ class Controller:
         is not retried at once (a must-switch still is, next step); the streak and the steps on
         the plan start over; the failed transition's time does not calibrate transition costs
         (``report_transition`` is not called for it)."""
-        prev = getattr(self, "_prev_plan", None)
+        prev = self._prev_plan
         if prev is None:
             raise NereusError("controller: report_rollback without a switch to roll back")
         failed, self.plan, self._prev_plan = self.plan, prev, None
