@@ -18,6 +18,7 @@ tensor and communicator of the rank is on its own GPU (``rank_device``).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue as queue_mod
@@ -117,6 +118,10 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
     if not dist.is_initialized():
         _set_device(backend, local_rank)
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=pg_timeout_s))
+        # torchrun's processes outlive a launch: tear the group down before the interpreter does, or a
+        # communicator thread still running at exit aborts the process ("terminate called without an
+        # active exception", SIGABRT) after its work is done
+        atexit.register(_destroy_group)
     _CALLS[0] += 1
     key = f"nereus-launch/{_CALLS[0]}/"
     try:
@@ -126,6 +131,7 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
     store = c10d._get_default_store()
     store.set(f"{key}{rank}", pickle.dumps((status, value)))
     if rank != 0 and not everywhere:
+        store.wait([f"{key}done"], timedelta(seconds=timeout_s + 30))  # leave only once rank 0 has read every answer
         return None
     got: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
@@ -134,8 +140,17 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
             if r not in got and store.check([f"{key}{r}"]):
                 got[r] = pickle.loads(store.get(f"{key}{r}"))
         time.sleep(0.05)
+    if rank == 0:
+        store.set(f"{key}done", b"1")
     return _results(got, world, [r for r in range(world) if r not in got], allow_hung,
                     f"did not finish within {timeout_s:g} s")
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo",
