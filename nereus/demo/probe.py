@@ -10,16 +10,23 @@ them it predicted training 10-25x too fast and the online correction factors sat
 Method, on a DP=world, TP=1, ZeRO-1 actor with the run's batch (the memory meter attached, as in the
 run): the same batch trained at micro-batch 1 and at one micro-batch per rank; the difference per
 extra micro-batch, divided by 3 (forward + backward = 3 forward passes), is the per-pass overhead.
+Log-probs (no autograd) the same way, at micro-batch 1 and one micro-batch per rank: the difference
+per extra micro-batch is ``CostParams.infer_pass_overhead_s``; a call on one row of two tokens per
+rank, all fixed cost, less that, is ``infer_call_overhead_s`` (gathering the result, the barrier).
 The optimizer step is timed on its own; so is a decode step of the batch on these processes (what
 ``CostParams.decode_step_overhead_s`` is set to: the processes share cores, so one process alone
 decodes faster than the world does); a one-float all-reduce over the world gives the latency of
 one collective step (``CostParams.allreduce_latency_s``: TP all-reduces in every layer of every
-decode step). Each figure is the fastest of ``repeats`` tries (as ``run.measure_speed``): what the
-processes do when other jobs on the machine leave them alone; the online factors carry the rest.
+decode step). Each figure is the median of its tries: the run's steps are single tries on the same
+shared cores, so a typical figure is what they see. (Before: the fastest try, the
+idle machine's figure; inference priced with the training pass's overhead, itself a difference of
+two such minima; and the executor ran log-probs in one pass whatever the micro-batch. The CI
+machine then measured actor/inference at 4x its prediction or more in every step.)
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -62,15 +69,25 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
             eng.train_step(ids)
             dist.barrier()
             t_train = time.perf_counter() - t0
+            if i:
+                out[f"train_{tag}"].append(t_train)
+                if mb != 1:
+                    out["optimizer"].append(opt_s[0])
+        for i in range(3 * repeats + 1):  # log-probs in micro-batches of mb (cheap: more tries)
+            dist.barrier()
             t0 = time.perf_counter()
             eng.logprobs(ids)
             dist.barrier()
-            t_infer = time.perf_counter() - t0
             if i:
-                out[f"train_{tag}"].append(t_train)
-                out[f"infer_{tag}"].append(t_infer)
-                if mb != 1:
-                    out["optimizer"].append(opt_s[0])
+                out[f"infer_{tag}"].append(time.perf_counter() - t0)
+    stub = ids[:world, :2]  # one row of two tokens per rank: a call that is all fixed cost
+    for i in range(3 * repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        eng.logprobs(stub)
+        dist.barrier()
+        if i:
+            out.setdefault("infer_stub", []).append(time.perf_counter() - t0)
     # decode steps of the whole batch on the same processes (prefill included, no early stop)
     prompts = ids[:, :4]
     for i in range(repeats + 1):
@@ -87,12 +104,13 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
         dist.all_reduce(tiny)
         if i:
             out.setdefault("allreduce", []).append(time.perf_counter() - t0)
-    return {k: min(v) for k, v in out.items() if v} | {"micro_batches": per_rank}
+    return {k: statistics.median(v) for k, v in out.items() if v} | {"micro_batches": per_rank}
 
 
 def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
     """Measured host overheads of ``world`` processes: ``micro_batch_overhead_s`` (one forward pass
-    of one micro-batch), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``decode_step_s``
+    of one training micro-batch), ``infer_pass_overhead_s`` (one no-grad forward of one micro-batch
+    of log-probs), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``decode_step_s``
     and the raw timings they come from."""
     from nereus.executor.launch import launch
 
@@ -101,7 +119,8 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     extra = max(1, n - 1)
     train_pass = max(0.0, (r["train_mb1"] - r["train_mbn"]) / extra / 3)
     infer_pass = max(0.0, (r["infer_mb1"] - r["infer_mbn"]) / extra)
+    infer_call = max(0.0, r["infer_stub"] - infer_pass)
     steps = 2 * math.ceil(math.log2(world))  # what the cost model's small all-reduce pays (allreduce_s)
-    return {"micro_batch_overhead_s": train_pass, "infer_micro_batch_overhead_s": infer_pass,
+    return {"micro_batch_overhead_s": train_pass, "infer_pass_overhead_s": infer_pass, "infer_call_overhead_s": infer_call,
             "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": r["allreduce"] / steps,
             "decode_step_s": r["decode_step"], "timings": r}

@@ -67,7 +67,9 @@ def prepare(cfg: DemoConfig, log=print):
     host = probe_world(full, cfg.world, cfg.prompts * cfg.samples, task.prompt_len + cfg.cap_schedule[0][1])
     log(f"probe ({time.perf_counter() - t0:.1f} s): activations {rep / 1024:.1f} KiB replicated + {shard / 1024:.1f} KiB "
         f"TP-split per token per layer; training {flops / 1e9:.1f} GFLOP/s in one process; on {cfg.world} processes: "
-        f"{host['micro_batch_overhead_s'] * 1e3:.1f} ms per micro-batch pass, "
+        f"{host['micro_batch_overhead_s'] * 1e3:.1f} ms per training micro-batch pass, "
+        f"{host['infer_pass_overhead_s'] * 1e3:.1f} ms per log-prob micro-batch + "
+        f"{host['infer_call_overhead_s'] * 1e3:.1f} ms per log-prob call, "
         f"{host['optimizer_step_overhead_s'] * 1e3:.0f} ms per optimizer step, "
         f"{host['allreduce_latency_s'] * 1e3:.2f} ms per collective step, {host['decode_step_s'] * 1e3:.1f} ms per "
         f"decode step")
@@ -77,6 +79,8 @@ def prepare(cfg: DemoConfig, log=print):
     share = min(1.0, len(os.sched_getaffinity(0)) / cfg.world)
     params = replace(base, decode_step_overhead_s=host["decode_step_s"],
                      micro_batch_overhead_s=host["micro_batch_overhead_s"],
+                     infer_pass_overhead_s=host["infer_pass_overhead_s"],
+                     infer_call_overhead_s=host["infer_call_overhead_s"],
                      optimizer_step_overhead_s=host["optimizer_step_overhead_s"],
                      allreduce_latency_s=host["allreduce_latency_s"])
     cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train)

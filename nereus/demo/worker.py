@@ -180,7 +180,8 @@ class _Run:
         loss = None
         if not oom:
             ids = seqs
-            old = self._timed(times, "actor/inference", lambda: self.actor.logprobs(ids))
+            infer_mb = self.plan.stage("actor/inference").config.micro_batch  # the actor's engine holds training's
+            old = self._timed(times, "actor/inference", lambda: self.actor.logprobs(ids, infer_mb))
             refl = self._timed(times, "ref/inference", lambda: self.ref.logprobs(ids))
             oom, phase = _any(self.meter.over_budget()), "experience"
         if not oom:

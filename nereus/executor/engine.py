@@ -159,27 +159,39 @@ class Engine:
         return all_reduce(full, self.g.pool_group)
 
     # ---- inference ---------------------------------------------------------------------------
+    def _forward_rows(self, ids: torch.Tensor, micro_batch: int | None):
+        """This rank's rows of the batch forward in micro-batches of ``micro_batch`` sequences (the
+        placement's when None), as verl's ``log_prob_micro_batch_size_per_gpu`` does: one micro-batch
+        of activations and logits alive at a time, which is what the cost model's memory charges.
+        Yields (first row, stage output); every stage of a pipeline walks the same micro-batches."""
+        lo, n = self._rows(ids.shape[0])
+        mb = max(1, self.placement.config.micro_batch if micro_batch is None else micro_batch)
+        for s in range(lo, lo + n, mb):
+            yield s, self._pipe_forward(ids[s:min(s + mb, lo + n)])[1]
+
+    def _joined(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        return (torch.cat(parts) if parts else None) if self.g.last_stage else None
+
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, ids: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor | None:
         """Logits [B, T, vocab] of the global batch on every pool rank (fp32 tensors; bf16 values
-        under ``bf16-mixed``)."""
+        under ``bf16-mixed``), computed ``micro_batch`` sequences at a time (default: the placement's)."""
         self._need_head("logits", value=False)
         if not self.in_pool:
             return None
-        lo, n = self._rows(ids.shape[0])
-        _, out = self._pipe_forward(ids[lo:lo + n])
-        return self._share(tuple(ids.shape) + (self.model.vocab,), lo, out if self.g.last_stage else None,
-                           torch.float32)
+        lo, _ = self._rows(ids.shape[0])
+        part = self._joined([out for _, out in self._forward_rows(ids, micro_batch) if self.g.last_stage])
+        return self._share(tuple(ids.shape) + (self.model.vocab,), lo, part, torch.float32)
 
     @torch.no_grad()
-    def values(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def values(self, ids: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor | None:
         """The value head's output [B, T] (fp32) of the global batch on every pool rank (critic, reward)."""
         self._need_head("values", value=True)
         if not self.in_pool:
             return None
-        lo, n = self._rows(ids.shape[0])
-        _, out = self._pipe_forward(ids[lo:lo + n])
-        return self._share(tuple(ids.shape), lo, out if self.g.last_stage else None, torch.float32)
+        lo, _ = self._rows(ids.shape[0])
+        part = self._joined([out for _, out in self._forward_rows(ids, micro_batch) if self.g.last_stage])
+        return self._share(tuple(ids.shape), lo, part, torch.float32)
 
     def _need_head(self, call: str, value: bool) -> None:
         if value != self.value_model:
@@ -187,16 +199,21 @@ class Engine:
                             f"{'a value head' if self.value_model else 'the LM head'}")
 
     @torch.no_grad()
-    def logprobs(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """log p(ids[:, t+1] | ids[:, :t+1]) as [B, T-1] on every pool rank."""
+    def logprobs(self, ids: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor | None:
+        """log p(ids[:, t+1] | ids[:, :t+1]) as [B, T-1] on every pool rank, ``micro_batch``
+        sequences at a time (default: the placement's; the actor's engine holds the training
+        placement, so its caller passes actor/inference's micro-batch)."""
         self._need_head("logprobs", value=False)
         if not self.in_pool:
             return None
-        lo, n = self._rows(ids.shape[0])
-        _, out = self._pipe_forward(ids[lo:lo + n])
-        if self.meter is not None and self.g.last_stage:
-            self.meter.observe(2 * out.numel() * out.element_size())  # logits + log-softmax
-        part = _token_logprobs(out, ids[lo:lo + n]) if self.g.last_stage else None
+        lo, _ = self._rows(ids.shape[0])
+        parts = []
+        for s, out in self._forward_rows(ids, micro_batch):
+            if self.g.last_stage:
+                if self.meter is not None:
+                    self.meter.observe(2 * out.numel() * out.element_size())  # logits + log-softmax
+                parts.append(_token_logprobs(out, ids[s:s + out.shape[0]]))
+        part = self._joined(parts)
         return self._share((ids.shape[0], ids.shape[1] - 1), lo, part, torch.float32)
 
     @torch.no_grad()

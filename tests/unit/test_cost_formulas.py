@@ -231,3 +231,18 @@ def test_stage_options_refuse_a_bad_pad_width(bad):
 
     with pytest.raises(SpecError, match="pad_to"):
         cm.StageOptions(pad_to=bad)
+
+
+def test_inference_pays_its_own_host_overheads_per_micro_batch_and_per_call():
+    """A no-grad pass has its own measured overhead (no autograd graph): the training figure does
+    not move inference, and the per-call cost (gathering the result) is paid once, not per micro-batch."""
+    j = job()
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, micro_batch=2)
+    train_only = replace(CostParams(), micro_batch_overhead_s=0.01)
+    assert "overhead" not in estimate(j, H100, "ref/inference", cfg, params=train_only).time_breakdown
+    p = replace(CostParams(), infer_pass_overhead_s=0.01, infer_call_overhead_s=0.5)
+    o1 = estimate(j, H100, "ref/inference", replace(cfg, micro_batch=1), params=p).time_breakdown["overhead"]
+    o2 = estimate(j, H100, "ref/inference", cfg, params=p).time_breakdown["overhead"]
+    seqs = j.workload().sequences / 8
+    assert o1 == pytest.approx(seqs * 0.01 + 0.5, rel=1e-12)
+    assert o2 == pytest.approx(seqs / 2 * 0.01 + 0.5, rel=1e-12)

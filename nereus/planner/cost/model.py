@@ -349,8 +349,8 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
                                              bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
     if cfg.zero >= 3:
         t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p)
-    if p.micro_batch_overhead_s:  # host overhead per micro-batch forward (0 on the GPU presets)
-        t["overhead"] = m * p.micro_batch_overhead_s * math.ceil(L / pp) / L
+    if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
+        t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
     resident = {"weights": model.dtype_bytes * psi}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)

@@ -59,6 +59,14 @@ class CostParams:
     times (forward and backward), four with full recomputation. Negligible on a GPU with large
     micro-batches (default 0), it is most of a micro-batch's time on CPU processes running a tiny
     model (the demo measures it)."""
+    infer_pass_overhead_s: float = 0.0
+    """The same fixed host-side cost for one no-grad forward of one micro-batch (log-probs of the
+    actor and reference, values of critic and reward): no autograd graph is recorded, so it is not
+    the training figure's third. Default 0; the demo measures it (``nereus.demo.probe``)."""
+    infer_call_overhead_s: float = 0.0
+    """Fixed cost of one inference call on one GPU beyond its micro-batches: gathering every rank's
+    log-probs or values (the executor's all-reduce of the result; verl's gather of a DataProto to
+    the driver) and the synchronisation that ends the call. Default 0; the demo measures it."""
     optimizer_step_overhead_s: float = 0.0
     """Fixed cost of one optimizer step on one GPU beyond its bytes: one update and (ZeRO) one
     all-gather launched per parameter tensor (default 0; the demo measures it)."""
