@@ -57,6 +57,15 @@ def _run_local(args: argparse.Namespace) -> int:
     from nereus.calibration.run import calibrate_local, report_markdown
 
     device = pick_device() if args.device == "auto" else args.device
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            from nereus.errors import SpecError
+
+            why = ("this torch " + torch.__version__ + " was built without CUDA" if torch.version.cuda is None
+                   else f"torch sees {torch.cuda.device_count()} CUDA device(s)")
+            raise SpecError(f"--device cuda: no usable CUDA device ({why}); use --device cpu, or auto")
     how = "nereus " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] \
         else f"nereus calibrate{' --quick' if args.quick else ''} --world {args.world}"
     bar = tqdm(desc=f"calibrating {device}", unit="bench", file=sys.stderr)

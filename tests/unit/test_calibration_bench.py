@@ -101,6 +101,8 @@ def test_stopwatch_subtracts_run_queue_delay_conservatively():
 @pytest.mark.parametrize("args, msg", [
     (["--world", "9"], "--world must be between 1 and 8, got 9"),
     (["--from-logs", "x.jsonl"], "--from-logs needs --job and --cluster"),
+    pytest.param(["--device", "cuda", "--quick"], "--device cuda: no usable CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args, msg):
     r = subprocess.run([sys.executable, "-m", "nereus.cli", "calibrate", *args], capture_output=True, text=True)
