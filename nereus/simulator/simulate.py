@@ -218,9 +218,24 @@ def run_naive(job: JobSpec, trace: Trace, gt: GroundTruth, tick: Callable[[], No
     return run.result("static-naive", t0)
 
 
-def offline_candidates(job: JobSpec, trace: Trace, plans: PlanCache, results: Iterable[PolicyResult],
-                       params: CostParams, samples: int = 4) -> tuple[list[Plan], list[int], dict[int, set[int]]]:
-    """(candidates, indices of the extra ones, steps each candidate was run on by some policy)."""
+def offline_picks(job: JobSpec, trace: Trace, plans: PlanCache, params: CostParams, samples: int = 4) -> list[Plan]:
+    """The solver's plans for ``samples`` evenly spaced steps and every step where the GPU count
+    changes (planner parameters, on the solver's workload grid): the offline policies' extra
+    candidates. They do not depend on any policy's run, so ``simulate`` may solve them beside the
+    online policies."""
+    base = job.workload()
+    gpus = [r.gpus for r in trace.rows]
+    picks = {round(j * (len(trace) - 1) / max(1, samples - 1)) for j in range(samples)}
+    picks |= {i for i in range(1, len(trace)) if gpus[i] != gpus[i - 1]}
+    out = (plans.best(FREE, solve_grid(trace.workload(i, base)), gpus[i], params) for i in sorted(picks))
+    return [p for p in out if p is not None]
+
+
+def offline_candidates(job: JobSpec, results: Iterable[PolicyResult], picked: Iterable[Plan],
+                       gpus_per_node: int) -> tuple[list[Plan], list[int], dict[int, set[int]]]:
+    """(candidates, indices of the extra ones, steps each candidate was run on by some policy):
+    every plan a policy ran, then ``picked`` (``offline_picks``), then each of those with every
+    other generation TP."""
     cands: dict[tuple, Plan] = {}
     used: dict[int, set[int]] = {}
     for r in results:
@@ -233,16 +248,10 @@ def offline_candidates(job: JobSpec, trace: Trace, plans: PlanCache, results: It
             j = list(cands).index(key)
             used.setdefault(j, set()).update(i for i, x in enumerate(r.plan_index) if x == k)
     n_used = len(cands)
-    base = job.workload()
-    gpus = [r.gpus for r in trace.rows]
-    picks = {round(j * (len(trace) - 1) / max(1, samples - 1)) for j in range(samples)}
-    picks |= {i for i in range(1, len(trace)) if gpus[i] != gpus[i - 1]}
-    for i in sorted(picks):
-        p = plans.best(FREE, solve_grid(trace.workload(i, base)), gpus[i], params)
-        if p is not None:
-            cands.setdefault(plan_key(p), p)
+    for p in picked:
+        cands.setdefault(plan_key(p), p)
     for p in list(cands.values()):
-        for q in offline.gen_tp_variants(p, job.model("actor").heads, plans.cluster.gpus_per_node):
+        for q in offline.gen_tp_variants(p, job.model("actor").heads, gpus_per_node):
             cands.setdefault(plan_key(q), q)
     out = list(cands.values())
     return out, list(range(n_used, len(out))), used
@@ -260,10 +269,15 @@ def solve_grid(w: Workload, ratio: float = SOLVE_BUCKET_RATIO) -> Workload:
 
 
 def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult],
-                which: Iterable[str], params: CostParams) -> dict[str, PolicyResult]:
-    t0 = time.perf_counter()
+                which: Iterable[str], params: CostParams, picked: list[Plan] | None = None,
+                picked_s: float = 0.0) -> dict[str, PolicyResult]:
+    """The offline policies over the online ones' ``results``; ``picked``: ``offline_picks`` solved
+    already (``picked_s`` seconds, counted in their wall time), else solved here."""
+    t0 = time.perf_counter() - picked_s
     which = list(which)
-    cands, extra, used = offline_candidates(job, trace, plans, results, params)
+    if picked is None:
+        picked = offline_picks(job, trace, plans, params)
+    cands, extra, used = offline_candidates(job, results, picked, plans.cluster.gpus_per_node)
     gpus = np.array([r.gpus for r in trace.rows])
     counts = sorted(set(gpus.tolist()))
     changes = {(int(a), int(b)) for a, b in zip(gpus[:-1], gpus[1:]) if a != b}
@@ -330,9 +344,14 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     runs = len(trace) * (len(online) + ("static-naive" in policies))
     bar = _bar(progress, runs, trace.name)
     out: dict[str, PolicyResult] = {}
+    wanted = [p for p in policies if p in OFFLINE]
+    picked = None
     if workers > 1 and len(online) > 1 and not audit_path and bar is None:
-        out.update(_run_forked(online, workers, job, cluster, trace, gt, plans, dict(
-            params=params, horizon=horizon, margin=margin, seed=seed)))
+        tasks = online + ([_PICKS] if wanted else [])  # the offline candidates' solves run beside them
+        done = _run_forked(tasks, workers, job, cluster, trace, gt, plans, dict(
+            params=params, horizon=horizon, margin=margin, seed=seed))
+        picked = done.pop(_PICKS, None)
+        out.update(done)
         online = []
     try:
         if "static-naive" in policies:
@@ -352,9 +371,9 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     finally:
         if bar is not None:
             bar.close()
-    wanted = [p for p in policies if p in OFFLINE]
     if wanted:
-        out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams()))
+        out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams(),
+                               *(picked or (None, 0.0))))
     return {p: out[p] for p in policies}
 
 
@@ -369,14 +388,18 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
     import multiprocessing as mp
 
     global _FORKED
-    cost = {"adaptive": 4.0, "always": 3.0, "static": 1.0, "openrlhf": 1.0, "verl": 1.0, "adaptive-restart": 0.5}
+    # rough seconds of each on the 1,000-step, 1,024-GPU benchmark (benchmarks/simulate_speed.py)
+    cost = {"adaptive": 6.0, "adaptive-restart": 1.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
+            _PICKS: 1.0}
     groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
     load = [0.0] * len(groups)
-    for n in sorted(names, key=lambda n: (n == "adaptive-restart", -cost.get(n, 1.0))):
-        k = next((i for i, g in enumerate(groups) if "adaptive" in g), None) if n == "adaptive-restart" else None
-        k = min(range(len(groups)), key=load.__getitem__) if k is None else k
-        groups[k].append(n)
-        load[k] += cost.get(n, 1.0)
+    units = [[n] for n in names if n not in ("adaptive", "adaptive-restart")]
+    pair = [n for n in ("adaptive", "adaptive-restart") if n in names]  # one plan cache: placed together
+    units += [pair] if pair else []
+    for unit in sorted(units, key=lambda u: -sum(cost.get(n, 1.0) for n in u)):
+        k = min(range(len(groups)), key=load.__getitem__)
+        groups[k] += unit
+        load[k] += sum(cost.get(n, 1.0) for n in unit)
     _FORKED = (job, cluster, trace, gt, plans, kw)
     try:
         with mp.get_context("fork").Pool(len(groups)) as pool:
@@ -386,10 +409,20 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
     return {n: done[n] for n in names}
 
 
-def _forked_group(names: list[str]) -> list[tuple[str, PolicyResult]]:
+_PICKS = "offline picks"
+"""The task of ``_run_forked`` that solves the offline policies' extra candidates (``offline_picks``);
+its result is (plans, seconds)."""
+
+
+def _forked_group(names: list[str]) -> list[tuple[str, Any]]:
     job, cluster, trace, gt, plans, kw = _FORKED
-    out = []
+    out: list[tuple[str, Any]] = []
     for name in names:
+        if name == _PICKS:
+            t0 = time.perf_counter()
+            picked = offline_picks(job, trace, plans, kw["params"] or CostParams())
+            out.append((name, (picked, time.perf_counter() - t0)))
+            continue
         try:
             out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
         except NereusError as e:

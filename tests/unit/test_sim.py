@@ -82,14 +82,17 @@ def test_adaptive_restart_pays_the_truths_checkpoint_and_relaunch_for_every_swit
 
 
 def test_forked_online_policies_give_the_sequential_results(world, results):
-    """``workers=2`` (online policies in forked processes, each with its own plan cache) changes the
-    speed, never a result."""
+    """``workers=2`` (online policies in forked processes, each with its own plan cache, and the
+    offline policies' extra candidates solved beside them) changes the speed, never a result."""
     job, cluster, gt = world
-    names = ["static", "adaptive", "adaptive-restart"]
+    names = ["static", "adaptive", "adaptive-restart", "hindsight", "oracle"]
     forked = simulate(job, cluster, parse_trace(TRACE, "test"), names, gt=gt, time_limit_s=2, seed=0, workers=2)
+    serial = simulate(job, cluster, parse_trace(TRACE, "test"), names, gt=gt, time_limit_s=2, seed=0)
     assert list(forked) == names
     for n in names:
-        a, b = results[n], forked[n]
+        a, b = serial[n], forked[n]
+        if n in ("static", "adaptive", "adaptive-restart"):
+            assert np.array_equal(np.array(a.step_s), np.array(results[n].step_s), equal_nan=True), n
         assert np.array_equal(np.array(a.step_s), np.array(b.step_s), equal_nan=True), n
         assert a.transition_s == b.transition_s and a.ooms == b.ooms, n
 
@@ -110,3 +113,27 @@ def test_cli_simulate_writes_json_and_rejects_bad_policy(tmp_path, capsys):
     rc = main(["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-1n.yaml",
                "--trace", str(trace), "--policy", "static"])
     assert rc == 2 and "asks for 32 GPUs" in capsys.readouterr().err
+
+
+def test_forked_runs_hand_the_offline_policies_the_solver_picks_a_serial_run_makes(world, monkeypatch):
+    """The extra candidates solved in a worker are the ones ``run_offline`` would solve itself."""
+    from nereus.planner.cost.params import CostParams
+    from nereus.planner.online.plan_cache import PlanCache
+    from nereus.simulator import simulate as sim
+    from nereus.simulator.truth.machine import plan_key
+
+    job, cluster, gt = world
+    seen = {}
+    real = sim.run_offline
+
+    def spy(*args, **kw):
+        seen["picked"] = (args[7], args[8])  # simulate passes (picked, seconds) positionally
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sim, "run_offline", spy)
+    trace = parse_trace(TRACE, "test")
+    simulate(job, cluster, trace, ["static", "verl", "oracle"], gt=gt, time_limit_s=2, seed=0, workers=2)
+    picked, seconds = seen["picked"]
+    want = sim.offline_picks(job, trace, PlanCache(job, cluster, time_limit_s=2, seed=0,
+                                                   candidates=sim.SIM_CANDIDATES), CostParams())
+    assert seconds > 0 and picked and [plan_key(p) for p in picked] == [plan_key(p) for p in want]
