@@ -104,14 +104,34 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
         dist.all_reduce(tiny)
         if i:
             out.setdefault("allreduce", []).append(time.perf_counter() - t0)
+    # all-reduces as a TP layer meets them: after a layer's matmul on the rank's rows, without a
+    # barrier first, so the ranks arrive as the scheduler lets them (4 processes on 2 cores take
+    # turns): one float (latency) and the layer's activations (latency + bytes / link bandwidth)
+    x = torch.randn(per_rank * length, DEMO_MODEL.hidden, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(DEMO_MODEL.hidden, DEMO_MODEL.ffn, generator=torch.Generator().manual_seed(2))
+    for i in range(2 * repeats + 1):
+        for kind in ("layer", "layer_allreduce", "layer_allreduce_act"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(16):
+                y = x @ w
+                if kind == "layer_allreduce":
+                    dist.all_reduce(y[0, :1].clone())
+                elif kind == "layer_allreduce_act":
+                    dist.all_reduce(y[:, :DEMO_MODEL.hidden].contiguous())
+            dist.barrier()
+            if i:
+                out.setdefault(kind, []).append((time.perf_counter() - t0) / 16)
+    out["act_bytes"] = [float(x.numel() * x.element_size())]
     return {k: statistics.median(v) for k, v in out.items() if v} | {"micro_batches": per_rank}
 
 
 def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
     """Measured host overheads of ``world`` processes: ``micro_batch_overhead_s`` (one forward pass
     of one training micro-batch), ``infer_pass_overhead_s`` (one no-grad forward of one micro-batch
-    of log-probs), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``decode_step_s``
-    and the raw timings they come from."""
+    of log-probs), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``link_bytes_per_s``
+    (achieved all-reduce bandwidth; None when the activations' all-reduce cost no more than a
+    float's), ``decode_step_s`` and the raw timings they come from."""
     from nereus.executor.launch import launch
 
     r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0, everywhere=True)[0]
@@ -121,6 +141,12 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     infer_pass = max(0.0, (r["infer_mb1"] - r["infer_mbn"]) / extra)
     infer_call = max(0.0, r["infer_stub"] - infer_pass)
     steps = 2 * math.ceil(math.log2(world))  # what the cost model's small all-reduce pays (allreduce_s)
+    # a collective's latency as a layer meets it (never below the tight loop's), and the bandwidth
+    # its bytes see: 2 (n - 1) / n x S over the extra seconds of an S-byte all-reduce (allreduce_s)
+    in_layer = max(r["allreduce"], r["layer_allreduce"] - r["layer"])
+    extra_s = r["layer_allreduce_act"] - r["layer_allreduce"]
+    link = 2 * (world - 1) / world * r["act_bytes"] / extra_s if extra_s > 0 else None
     return {"micro_batch_overhead_s": train_pass, "infer_pass_overhead_s": infer_pass, "infer_call_overhead_s": infer_call,
-            "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": r["allreduce"] / steps,
+            "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": in_layer / steps,
+            "link_bytes_per_s": link,
             "decode_step_s": r["decode_step"], "timings": r}

@@ -71,7 +71,8 @@ def prepare(cfg: DemoConfig, log=print):
         f"{host['infer_pass_overhead_s'] * 1e3:.1f} ms per log-prob micro-batch + "
         f"{host['infer_call_overhead_s'] * 1e3:.1f} ms per log-prob call, "
         f"{host['optimizer_step_overhead_s'] * 1e3:.0f} ms per optimizer step, "
-        f"{host['allreduce_latency_s'] * 1e3:.2f} ms per collective step, {host['decode_step_s'] * 1e3:.1f} ms per "
+        f"{host['allreduce_latency_s'] * 1e3:.2f} ms per collective step, "
+        f"{(host['link_bytes_per_s'] or 0) / 1e6:.0f} MB/s all-reduce bandwidth, {host['decode_step_s'] * 1e3:.1f} ms per "
         f"decode step")
     job = demo_job(cfg)
     base = demo_params(rep, shard)
@@ -83,7 +84,9 @@ def prepare(cfg: DemoConfig, log=print):
                      infer_call_overhead_s=host["infer_call_overhead_s"],
                      optimizer_step_overhead_s=host["optimizer_step_overhead_s"],
                      allreduce_latency_s=host["allreduce_latency_s"])
-    cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train)
+    link = host["link_bytes_per_s"]  # measured, as achieved: the cost model multiplies by intra_link_eff
+    cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train,
+                           **({"link_gbps": link / base.intra_link_eff / 1e9} if link else {}))
     plan = initial_plan(job, cluster, params, cfg)
     return full, job, cluster, params, plan, {"warmup_accuracy": acc, "act_replicated": rep, "act_sharded": shard,
                                               "gflops": flops / 1e9, "decode_step_s": decode_s,
