@@ -135,7 +135,9 @@ class DemoController:
 def make_demo_controller(policy: str, job, cluster, params, plan: Plan, cfg: DemoConfig) -> DemoController:
     """adaptive: free to change layout; every other policy keeps its plan's layout (TP/PP and pools),
     the controller still free to change knobs inside it (micro-batch; recomputation where allowed)."""
-    rule = COLOCATED if policy == "adaptive" else static_rule(plan)
+    # colocated, as the demo's worker runs every model on every rank: when a baseline's pools stop
+    # fitting and its controller re-pools (a relaunch), the new pools are colocated too
+    rule = COLOCATED if policy == "adaptive" else replace(static_rule(plan), placement="colocated")
     audit = f"{cfg.out_dir}/audit-{policy}.jsonl"
     ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25, audit_path=audit,
                      initial_plan=plan, total_steps=cfg.steps, rule=rule, plans=plan_cache(job, cluster, policy, cfg.recompute),

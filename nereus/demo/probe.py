@@ -97,6 +97,22 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
         dist.barrier()
         if i:
             out.setdefault("decode_step", []).append((time.perf_counter() - t0) / decode_steps)
+    # a tensor-parallel forward over all ``world`` ranks (DP 1) of ``world`` rows, at micro-batch 1 and
+    # at one micro-batch: each extra micro-batch adds a pass and its TP collectives (embedding, two
+    # per layer, the vocab-parallel head), which is where a collective's real latency shows
+    place = StagePlacement(name="ref/inference", config=ParallelConfig(tp=world, pp=1, dp=1, micro_batch=1),
+                           pool=0, first_gpu=0, gpus=world)
+    tp_eng = Engine(rank, world, DEMO_MODEL, place, ShardStore(), role="ref", trainable=False)
+    _fill(tp_eng, full)
+    rows = ids[:world]
+    for i in range(2 * repeats + 1):
+        for mb in (1, world):
+            dist.barrier()
+            t0 = time.perf_counter()
+            tp_eng.logprobs(rows, mb)
+            dist.barrier()
+            if i:
+                out.setdefault(f"tp_infer_mb{'1' if mb == 1 else 'n'}", []).append(time.perf_counter() - t0)
     tiny = torch.zeros(1)
     for i in range(4 * repeats + 1):  # one small all-reduce over the world: a collective's latency
         dist.barrier()
@@ -123,7 +139,15 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
             if i:
                 out.setdefault(kind, []).append((time.perf_counter() - t0) / 16)
     out["act_bytes"] = [float(x.numel() * x.element_size())]
-    return {k: statistics.median(v) for k, v in out.items() if v} | {"micro_batches": per_rank}
+    return {k: statistics.median(v) for k, v in out.items() if v} | {"micro_batches": per_rank,
+                                                                     "decode_steps": decode_steps}
+
+
+def tp_collectives(layers: int) -> int:
+    """Collectives of one tensor-parallel forward of one micro-batch: two per layer (attention and
+    MLP outputs), the vocab-parallel embedding's all-reduce and the vocab-parallel head's (the cost
+    model counts the same: ``model.TP_EDGE_COLLECTIVES``)."""
+    return 2 * layers + 2
 
 
 def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
@@ -132,8 +156,10 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     of log-probs), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``link_bytes_per_s``
     (achieved all-reduce bandwidth; None when the activations' all-reduce cost no more than a
     float's), ``decode_step_s`` and the raw timings they come from."""
+    from nereus.demo.setup import DEMO_MODEL
     from nereus.executor.launch import launch
 
+    layers = DEMO_MODEL.layers
     r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0, everywhere=True)[0]
     n = r["micro_batches"]
     extra = max(1, n - 1)
@@ -144,6 +170,9 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     # a collective's latency as a layer meets it (never below the tight loop's), and the bandwidth
     # its bytes see: 2 (n - 1) / n x S over the extra seconds of an S-byte all-reduce (allreduce_s)
     in_layer = max(r["allreduce"], r["layer_allreduce"] - r["layer"])
+    if world > 1:  # and as a TP forward meets them: per extra micro-batch, less the pass's own cost
+        per_pass = (r["tp_infer_mb1"] - r["tp_infer_mbn"]) / (world - 1)
+        in_layer = max(in_layer, (per_pass - infer_pass) / tp_collectives(layers))
     extra_s = r["layer_allreduce_act"] - r["layer_allreduce"]
     link = 2 * (world - 1) / world * r["act_bytes"] / extra_s if extra_s > 0 else None
     return {"micro_batch_overhead_s": train_pass, "infer_pass_overhead_s": infer_pass, "infer_call_overhead_s": infer_call,

@@ -169,6 +169,10 @@ class _Run:
         seqs = self._timed(times, "actor/generation+", lambda: gen.generate(
             prompts, cap, cfg.temperature, seed=cfg.seed * 7919 + step, stop_targets=targets))
         times["actor/generation"] += times.pop("actor/generation+")
+        if _any(seqs is None):
+            raise RuntimeError(f"demo step {step}: plan {_layout_label(self.plan)} runs actor/generation on "
+                               f"{gen.placement.gpus} of {self.world} ranks; the demo's worker needs every model "
+                               "on every rank (colocated plans)")
         self.gen_store = None
         P = task.prompt_len
         resp = seqs[:, P:]

@@ -190,11 +190,17 @@ def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backe
     return _results(got, world, hung, allow_hung, f"did not finish within {timeout_s:g} s and were killed")
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a rank's error says when it failed only because another rank died first."""
+
+
 def _results(got: dict[int, tuple[str, Any]], world: int, hung: list[int], allow_hung: bool, late: str) -> list[Any]:
-    """Per rank in order, the unpickled result (``HUNG`` for a rank without one); the first failing
-    rank's traceback raised as ``RankFailed``, and missing ranks unless ``allow_hung``."""
+    """Per rank in order, the unpickled result (``HUNG`` for a rank without one); a failing rank's
+    traceback raised as ``RankFailed`` (the first whose error is its own: a rank that only saw a
+    peer's connection close failed because that peer did), and missing ranks unless ``allow_hung``."""
     errors = [(r, v.decode() if isinstance(v, bytes) else v) for r, (s, v) in sorted(got.items()) if s == "error"]
     if errors:
+        errors.sort(key=lambda e: any(m in e[1] for m in _PEER_GONE))  # stable: by rank within each kind
         r, tb = errors[0]
         raise RankFailed(f"rank {r} of {world} failed ({len(errors)} rank(s) failed, no answer: {hung}):\n{tb}")
     if hung and not allow_hung:

@@ -32,3 +32,19 @@ def test_hung_rank_is_killed_at_the_deadline():
     with pytest.raises(RankFailed, match=r"rank\(s\) \[1\] of 2 did not finish within 15 s"):
         launch(_hang_on_1, 2, timeout_s=15)
     assert time.monotonic() - t0 < 40
+
+
+def test_the_failure_reported_is_the_rank_that_broke_not_a_peer_that_lost_it():
+    """A rank that died takes the others' connections with it: their errors say so, and the report
+    names the rank whose error was its own, whatever its number."""
+    from nereus.executor.launch import _results
+
+    got = {0: ("error", "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:4"),
+           1: ("ok", b""), 2: ("error", "TypeError: 'NoneType' object is not subscriptable"),
+           3: ("error", "RuntimeError: Connection reset by peer")}
+    with pytest.raises(RankFailed, match=r"rank 2 of 4 failed \(3 rank\(s\) failed") as e:
+        _results(got, 4, [], False, "")
+    assert "NoneType" in str(e.value)
+    only_peers = {0: ("error", "Connection closed by peer"), 1: ("error", "Connection closed by peer")}
+    with pytest.raises(RankFailed, match="rank 0 of 2 failed"):
+        _results(only_peers, 2, [], False, "")

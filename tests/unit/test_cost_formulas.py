@@ -246,3 +246,16 @@ def test_inference_pays_its_own_host_overheads_per_micro_batch_and_per_call():
     seqs = j.workload().sequences / 8
     assert o1 == pytest.approx(seqs * 0.01 + 0.5, rel=1e-12)
     assert o2 == pytest.approx(seqs / 2 * 0.01 + 0.5, rel=1e-12)
+
+
+def test_tensor_parallel_inference_pays_the_embedding_and_head_collectives_per_micro_batch():
+    """2 all-reduces per layer plus the vocab-parallel embedding's and head's, per micro-batch (the
+    executor's TP forward makes exactly these: tests/dist/test_tp_collectives_dist.py counts them)."""
+    j = job()
+    m8b = j.model("ref")
+    cfg = ParallelConfig(tp=4, pp=1, dp=2, micro_batch=4)
+    est = estimate(j, H100, "ref/inference", cfg)
+    m = math.ceil(j.workload().sequences / 2 / 4)
+    one = cm.ar_s(4 * (j.workload().prompt_len + j.workload().response_len_mean) * m8b.hidden * 2, 4, H100,
+                  CostParams())
+    assert est.time_breakdown["tp_comm"] == pytest.approx(m * (2 * m8b.layers + cm.TP_EDGE_COLLECTIVES) * one, rel=1e-9)

@@ -324,6 +324,13 @@ def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int
     return alltoall_s(nbytes, n, _group_bw(cluster, n * stride, p), p.allreduce_latency_s)
 
 
+TP_EDGE_COLLECTIVES = 2
+"""Collectives of a tensor-parallel forward outside the layers, per micro-batch: the vocab-parallel
+embedding's all-reduce and the vocab-parallel head's (Megatron's log-prob/cross-entropy reduces
+max and sum over the vocabulary shards; Nereus's executor gathers the logits). Counted for
+inference passes; a pass of many layers hardly notices them, a latency-bound one of few does."""
+
+
 def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
                p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
@@ -338,7 +345,7 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
     compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
     act_bytes = mb_tokens / sp * h * 2
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
-         "tp_comm": m * math.ceil(L / pp) * 2 * ar_s(act_bytes, tp, cluster, p),
+         "tp_comm": m * (math.ceil(L / pp) * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
          "sp_comm": m * math.ceil(L / pp) * 4 * _a2a(act_bytes / tp, sp, cluster, p, tp),
          "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
     if head == "lm":
