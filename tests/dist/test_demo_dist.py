@@ -11,13 +11,15 @@ from nereus.demo.setup import DemoConfig
 
 @pytest.mark.dist
 def test_adaptive_switches_before_the_cap_raise_and_verifies(tmp_path):
-    cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 96)), warmup_steps=4,
+    cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 200)), warmup_steps=4,
                      prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300, recompute=False)
     full, job, cluster, params, plan, _ = prepare(cfg, log=lambda *_: None)
     records = run_policy(cfg, "adaptive", full, job, cluster, params, plan)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     switches = [r for r in records if r.get("transition_s")]
-    # the cap rises to 96 at step 2: the controller hears of it after step 1 and must move first
+    # the cap rises to 200 at step 2, past what the initial layout holds with any knobs (at 96 a smaller
+    # micro-batch could do, a knob change and no transition): the controller hears of it after step 1
+    # and must move first
     assert switches and switches[0]["step"] <= 1, [(r["step"], r.get("decision"), r.get("reason")) for r in records]
     assert all(r["verified"] for r in switches)
     assert records[-1]["plan"] != records[0]["plan"]
@@ -37,7 +39,7 @@ def test_a_transition_whose_bytes_fail_verification_rolls_back_and_is_recorded_u
     rank rolls back, the record says verified False with the reason, the run goes on in the old layout."""
     from nereus.executor.apply import FaultSpec
 
-    cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 96)), warmup_steps=4,
+    cfg = DemoConfig(steps=4, world=2, budget_mb=15.0, cap_schedule=((0, 8), (2, 200)), warmup_steps=4,
                      prompts=4, samples=2, out_dir=str(tmp_path), timeout_s=300, recompute=False,
                      fault=FaultSpec(rank=1, round=0, kind="corrupt-copy"))
     full, job, cluster, params, plan, _ = prepare(cfg, log=lambda *_: None)
