@@ -97,22 +97,25 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
         dist.barrier()
         if i:
             out.setdefault("decode_step", []).append((time.perf_counter() - t0) / decode_steps)
-    # a tensor-parallel forward over all ``world`` ranks (DP 1) of ``world`` rows, at micro-batch 1 and
-    # at one micro-batch: each extra micro-batch adds a pass and its TP collectives (embedding, two
-    # per layer, the vocab-parallel head), which is where a collective's real latency shows
-    place = StagePlacement(name="ref/inference", config=ParallelConfig(tp=world, pp=1, dp=1, micro_batch=1),
-                           pool=0, first_gpu=0, gpus=world)
-    tp_eng = Engine(rank, world, DEMO_MODEL, place, ShardStore(), role="ref", trainable=False)
-    _fill(tp_eng, full)
-    rows = ids[:world]
-    for i in range(2 * repeats + 1):
-        for mb in (1, world):
-            dist.barrier()
-            t0 = time.perf_counter()
-            tp_eng.logprobs(rows, mb)
-            dist.barrier()
-            if i:
-                out.setdefault(f"tp_infer_mb{'1' if mb == 1 else 'n'}", []).append(time.perf_counter() - t0)
+    # a tensor-parallel forward (the widest TP that splits the model and the world) of one row per
+    # rank, at micro-batch 1 and at one micro-batch: each extra micro-batch adds a pass and its TP
+    # collectives (embedding, two per layer, the vocab-parallel head), where a collective's real
+    # latency shows
+    tp = probe_tp(world)
+    if tp is not None:
+        place = StagePlacement(name="ref/inference", config=ParallelConfig(tp=tp, pp=1, dp=world // tp, micro_batch=1),
+                               pool=0, first_gpu=0, gpus=world)
+        tp_eng = Engine(rank, world, DEMO_MODEL, place, ShardStore(), role="ref", trainable=False)
+        _fill(tp_eng, full)
+        rows = ids[:world]  # tp rows per data-parallel group
+        for i in range(2 * repeats + 1):
+            for mb in (1, tp):
+                dist.barrier()
+                t0 = time.perf_counter()
+                tp_eng.logprobs(rows, mb)
+                dist.barrier()
+                if i:
+                    out.setdefault(f"tp_infer_mb{'1' if mb == 1 else 'n'}", []).append(time.perf_counter() - t0)
     tiny = torch.zeros(1)
     for i in range(4 * repeats + 1):  # one small all-reduce over the world: a collective's latency
         dist.barrier()
@@ -144,10 +147,30 @@ def _rank(rank: int, world: int, full: dict, sequences: int, length: int, repeat
 
 
 def tp_collectives(layers: int) -> int:
-    """Collectives of one tensor-parallel forward of one micro-batch: two per layer (attention and
-    MLP outputs), the vocab-parallel embedding's all-reduce and the vocab-parallel head's (the cost
-    model counts the same: ``model.TP_EDGE_COLLECTIVES``)."""
-    return 2 * layers + 2
+    """Collectives of one tensor-parallel forward of one micro-batch, as the cost model counts them:
+    two per layer (attention and MLP outputs) and ``model.TP_EDGE_COLLECTIVES`` (the vocab-parallel
+    embedding's and head's); ``tests/dist/test_tp_collectives_dist.py`` counts the executor's."""
+    from nereus.planner.cost.model import TP_EDGE_COLLECTIVES
+
+    return 2 * layers + TP_EDGE_COLLECTIVES
+
+
+def probe_tp(world: int) -> int | None:
+    """The widest TP > 1 that divides the world and splits the demo model (heads, KV heads, FFN,
+    vocabulary), or None (3 processes: the model's 4 heads do not split 3 ways)."""
+    from nereus.demo.setup import DEMO_MODEL
+    from nereus.errors import SpecError
+    from nereus.models.inventory import check_tp
+
+    for tp in range(world, 1, -1):
+        if world % tp or DEMO_MODEL.vocab % tp:
+            continue
+        try:
+            check_tp(DEMO_MODEL, tp)
+        except SpecError:
+            continue
+        return tp
+    return None
 
 
 def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
@@ -169,13 +192,15 @@ def probe_world(full: dict, world: int, sequences: int, length: int, repeats: in
     steps = 2 * math.ceil(math.log2(world))  # what the cost model's small all-reduce pays (allreduce_s)
     # a collective's latency as a layer meets it (never below the tight loop's), and the bandwidth
     # its bytes see: 2 (n - 1) / n x S over the extra seconds of an S-byte all-reduce (allreduce_s)
-    in_layer = max(r["allreduce"], r["layer_allreduce"] - r["layer"])
-    if world > 1:  # and as a TP forward meets them: per extra micro-batch, less the pass's own cost
-        per_pass = (r["tp_infer_mb1"] - r["tp_infer_mbn"]) / (world - 1)
-        in_layer = max(in_layer, (per_pass - infer_pass) / tp_collectives(layers))
+    latency = max(r["allreduce"], r["layer_allreduce"] - r["layer"]) / steps
+    tp = probe_tp(world)
+    if tp is not None:  # and as a TP forward meets them: per extra micro-batch, less the pass's own cost
+        per_pass = (r["tp_infer_mb1"] - r["tp_infer_mbn"]) / (tp - 1)
+        per_collective = (per_pass - infer_pass) / tp_collectives(layers)
+        latency = max(latency, per_collective / (2 * math.ceil(math.log2(tp))))
     extra_s = r["layer_allreduce_act"] - r["layer_allreduce"]
     link = 2 * (world - 1) / world * r["act_bytes"] / extra_s if extra_s > 0 else None
     return {"micro_batch_overhead_s": train_pass, "infer_pass_overhead_s": infer_pass, "infer_call_overhead_s": infer_call,
-            "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": in_layer / steps,
+            "optimizer_step_overhead_s": r["optimizer"], "allreduce_latency_s": latency,
             "link_bytes_per_s": link,
             "decode_step_s": r["decode_step"], "timings": r}

@@ -27,3 +27,11 @@ def test_a_step_faster_than_the_model_leaves_no_negative_overhead():
     host = {"decode_step_s": 1e-6, "timings": {"micro_batches": 8, "decode_steps": 16}}
     got, modelled = _decode_overhead(demo_params(3456.0, 9000.0), cluster, host, 4, 4)
     assert modelled > 1e-6 and got.decode_step_overhead_s == 0.0
+
+
+def test_the_probe_measures_tp_only_where_the_demo_model_splits():
+    """``nereus demo --world 3`` is allowed, and the demo model's 4 heads do not split 3 ways: the
+    probe's TP forward is skipped there instead of failing the whole demo."""
+    from nereus.demo.probe import probe_tp
+
+    assert [probe_tp(w) for w in (2, 3, 4)] == [2, None, 4]
