@@ -71,6 +71,18 @@ def save_figure(fig, path: str, dpi: int = 120) -> None:
         fig.savefig(tmp, dpi=dpi, format=fmt)
 
 
+def torchrun_world(world: int) -> tuple[int, int, int] | None:
+    """torchrun's (rank, world size, local rank) when this process was started by torchrun, else
+    None; SpecError when torchrun started another number of processes than ``--world`` asks."""
+    from nereus.executor.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env[1] != world:
+        raise SpecError(f"torchrun started {env[1]} processes (WORLD_SIZE) but --world is {world}: "
+                        f"pass --world {env[1]}")
+    return env
+
+
 def nonneg_int(text: str) -> int:
     try:
         v = int(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nereus.commands.common import pos_float, pos_int, write_json
+from nereus.commands.common import pos_float, pos_int, torchrun_world, write_json
 
 
 def _ks(text: str) -> tuple[float, ...]:
@@ -47,12 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from nereus.demo.setup import DemoConfig
     from nereus.errors import SpecError
 
-    from nereus.executor.launch import torchrun_env
-
-    env = torchrun_env()
-    if env is not None and env[1] != args.world:
-        raise SpecError(f"torchrun started {env[1]} processes (WORLD_SIZE) but --world is {args.world}: "
-                        f"pass --world {env[1]}")
+    torchrun_world(args.world)  # refuses a torchrun world of another size
     if not 2 <= args.world <= 4:
         raise SpecError(f"--world must be 2, 3 or 4 (gloo processes on this machine), got {args.world}")
     if args.budgets and args.budget_mb:

@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from nereus.commands.common import console, nonneg_int, pos_int, write_json
+from nereus.commands.common import console, nonneg_int, pos_int, torchrun_world, write_json
 
 ARCHS = ("reference", "llama", "qwen2", "qwen3")
 PRECISIONS = ("fp32", "bf16-mixed")
@@ -168,12 +168,9 @@ def _fault_runs(args, job, cases, rng, torchrun: bool) -> list[list]:
 def run(args: argparse.Namespace) -> int:
     from nereus.errors import SpecError
     from nereus.executor.checks import reshard_cases
-    from nereus.executor.launch import launch, torchrun_env
+    from nereus.executor.launch import launch
 
-    env = torchrun_env()
-    if env is not None and env[1] != args.world:
-        raise SpecError(f"torchrun started {env[1]} processes (WORLD_SIZE) but --world is {args.world}: "
-                        f"pass --world {env[1]}")
+    env = torchrun_world(args.world)
     if env is None and not 2 <= args.world <= 8:
         raise SpecError(f"--world must be between 2 and 8 processes on this machine, got {args.world}")
     if env is not None and args.inject_fault == "kill":

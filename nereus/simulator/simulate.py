@@ -372,8 +372,9 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
         if bar is not None:
             bar.close()
     if wanted:
+        picked_plans, picked_s = picked if picked is not None else (None, 0.0)
         out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams(),
-                               *(picked or (None, 0.0))))
+                               picked_plans, picked_s))
     return {p: out[p] for p in policies}
 
 
