@@ -87,7 +87,7 @@ def prepare(cfg: DemoConfig, log=print):
     link = host["link_bytes_per_s"]  # measured, as achieved: the cost model multiplies by intra_link_eff
     cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train,
                            **({"link_gbps": link / base.intra_link_eff / 1e9} if link else {}))
-    params, modelled = _decode_overhead(params, cluster, host, cfg.world, task.prompt_len)
+    params, modelled = _decode_overhead(params, cluster, host, task.prompt_len)
     plan = initial_plan(job, cluster, params, cfg)
     return full, job, cluster, params, plan, {"warmup_accuracy": acc, "act_replicated": rep, "act_sharded": shard,
                                               "gflops": flops / 1e9, "decode_step_s": decode_s,
@@ -96,10 +96,10 @@ def prepare(cfg: DemoConfig, log=print):
                                               "decode_step_overhead_s": params.decode_step_overhead_s}
 
 
-def _decode_overhead(params, cluster, host: dict, world: int, prompt_len: int):
+def _decode_overhead(params, cluster, host: dict, prompt_len: int):
     """(params whose ``decode_step_overhead_s`` is the probe's measured decode step less what the
     cost model already charges for that step, the modelled part). The probe decoded
-    ``decode_steps`` tokens for ``rows`` sequences on DP=world replicas from ``prompt_len``-token
+    ``decode_steps`` tokens for ``rows`` sequences per replica (DP over the world) from ``prompt_len``-token
     prompts; the model's own step (weights and KV read, FLOPs, TP collectives, the per-sequence
     overhead) at that batch and mean context is taken off, so the step is not counted twice (it was:
     generation came out about 2x slower than the runs measured)."""

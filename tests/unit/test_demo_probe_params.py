@@ -15,7 +15,7 @@ def test_the_probed_decode_step_is_predicted_as_measured(measured):
     cluster = demo_cluster(DemoConfig(), flops=4e10, mem_bw=2e9)
     params = replace(demo_params(3456.0, 9000.0), decode_step_overhead_s=measured)
     host = {"decode_step_s": measured, "timings": {"micro_batches": 8, "decode_steps": 16}}
-    got, modelled = _decode_overhead(params, cluster, host, 4, 4)
+    got, modelled = _decode_overhead(params, cluster, host, 4)
     assert 0 < modelled < measured
     assert got.decode_step_overhead_s == pytest.approx(measured - modelled, rel=1e-12)
     step = decode_iteration_s(DEMO_MODEL, 1, 1, 8, 4 + 8, cluster, got, engine="static")
@@ -25,7 +25,7 @@ def test_the_probed_decode_step_is_predicted_as_measured(measured):
 def test_a_step_faster_than_the_model_leaves_no_negative_overhead():
     cluster = demo_cluster(DemoConfig(), flops=4e10, mem_bw=1e8)  # a slow memory: the model alone exceeds it
     host = {"decode_step_s": 1e-6, "timings": {"micro_batches": 8, "decode_steps": 16}}
-    got, modelled = _decode_overhead(demo_params(3456.0, 9000.0), cluster, host, 4, 4)
+    got, modelled = _decode_overhead(demo_params(3456.0, 9000.0), cluster, host, 4)
     assert modelled > 1e-6 and got.decode_step_overhead_s == 0.0
 
 
