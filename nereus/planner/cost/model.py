@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Mapping
+from typing import Callable, Mapping
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.lengths import decode_grid, expected_max, peak_context_per_seq, response_quantiles
-from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, p2p_s
+from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, latency_steps, p2p_s
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec, ParallelConfig, Workload
 
 GiB = 1024**3
@@ -482,25 +482,9 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
     else:
         per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
-    engine = job.rollout.engine
-    t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
-    acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
-
-    def run(steps: float, active: float, ctx: float) -> None:
-        mem, cmp_, comm = decode_step_s(model, tp, pp, active, ctx, cluster, p)
-        acc["decode_memory" if mem >= cmp_ else "decode_compute"] += steps * max(mem, cmp_)
-        acc["tp_comm"] += steps * comm
-        acc["step_overhead"] += steps * p.iteration_overhead_s(engine, active)
-
-    if n > concurrency and static:  # sequential batches, each decoding to its longest
-        run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
-    elif n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
-        run((n - concurrency) * mean / concurrency, concurrency, P + mean)
-    prev_x, prev_a = grid[0]
-    for x, a in grid[1:]:
-        run(x - prev_x, min(concurrency, max(prev_a, 1.0)), P + (prev_x + x) / 2)
-        prev_x, prev_a = x, a
-    t = {"prefill": t_prefill, **acc}
+    t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
+                                   concurrency)
+    t = {"prefill": t_prefill, **dict(acc)}
     if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep (KV re-allocated)
         t["engine_wake_sleep"] = 2 * weights / (p.host_link_gbps * 1e9)
     kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
@@ -510,6 +494,40 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
              f"{kv_budget_bytes / GiB:.1f} GiB, max_num_seqs {job.rollout.max_num_seqs}); the rest wait",) \
         if waves > 1 else ()
     return _finish(ms, cfg, t, "generation", p, {}, transient, cluster, waves, notes)
+
+
+@lru_cache(maxsize=8192)
+def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams, engine: str, n: int,
+                  P: int, mean: float, p90: float | None, cap: int, total: int,
+                  concurrency: int) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """Prefill seconds and the decode components of one replica's ``n`` sequences (of ``total``
+    in the step), at most ``concurrency`` at a time, over the decode grid (points (x, sequences
+    still running)). Cached: plans that differ elsewhere, or only in how much KV room they leave
+    when as many sequences run at once, share it."""
+    grid = decode_grid(n, mean, p90, cap, total=total)
+    static = engine == "static"
+    if static:  # every row holds its slot until the longest of the batch ends
+        grid = ((0.0, float(n)), (grid[-1][0], 0.0))
+    t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
+    acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
+    step_terms = decode_terms(model, tp, pp, cluster, p)
+    o0, o1 = p.engine_overhead_terms(engine)
+
+    def run(steps: float, active: float, ctx: float) -> None:
+        mem, cmp_, comm = step_terms(active, ctx)
+        acc["decode_memory" if mem >= cmp_ else "decode_compute"] += steps * max(mem, cmp_)
+        acc["tp_comm"] += steps * comm
+        acc["step_overhead"] += steps * (o0 + o1 * active)
+
+    if n > concurrency and static:  # sequential batches, each decoding to its longest
+        run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
+    elif n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
+        run((n - concurrency) * mean / concurrency, concurrency, P + mean)
+    prev_x, prev_a = grid[0]
+    for x, a in grid[1:]:
+        run(x - prev_x, min(concurrency, max(prev_a, 1.0)), P + (prev_x + x) / 2)
+        prev_x, prev_a = x, a
+    return t_prefill, tuple(acc.items())
 
 
 def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float, per_forward: float,
@@ -543,17 +561,45 @@ def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float,
     (memory-bound time, compute-bound time, communication). With pp stages the batch is split
     into pp pipelined micro-batches, so every stage reads its weights pp times per token. The
     compute-bound part uses the per-rank GEMM size (smaller under TP, so less efficient)."""
+    return decode_terms(model, tp, pp, cluster, p)(active, ctx)
+
+
+def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
+                 p: CostParams) -> Callable[[float, float], tuple[float, float, float]]:
+    """``decode_step_s`` of one replica as a function of (active, ctx), with everything that
+    depends only on the model, the layout and the parameters computed once (generation calls it
+    at every point of its decode grid)."""
     gpu = cluster.gpu
     weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
-    mem = (pp * weights + active * ctx * kvg) / (p.hbm_eff * gpu.hbm_bytes_per_s)
-    flops = active * (2 * model.matmul_params() + 4 * model.layers * model.heads * model.head_dim * ctx)
-    eff = p.matmul_eff(p.mfu_decode, 2 * active / pp * model.hidden * model.ffn / tp)
-    cmp_ = flops / (tp * pp) / (eff * gpu.peak_flops)
-    comm = 2 * model.layers * ar_s(active / pp * model.hidden * 2, tp, cluster, p)
-    if pp > 1:
-        comm += pp * p2p_s(active / pp * model.hidden * 2, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
-    return mem, cmp_, comm
+    hbm = p.hbm_eff * gpu.hbm_bytes_per_s
+    n_mat, n_attn = 2 * model.matmul_params(), 4 * model.layers * model.heads * model.head_dim
+    h, ffn, peak, shards = model.hidden, model.ffn, gpu.peak_flops, tp * pp
+    intra, inter = _links(cluster, p)
+    nodes = _nodes(cluster, tp, 1)
+    bw_pp = _group_bw(cluster, tp * pp, p)
+    n_ar = 2 * model.layers
+    one_node = nodes == 1 and tp > 1
+    lat = 2 * (latency_steps(tp) * p.allreduce_latency_s + latency_steps(1) * max(p.inter_latency_s, p.allreduce_latency_s))
+    ring = 2 * (tp - 1) / tp
+
+    def terms(active: float, ctx: float) -> tuple[float, float, float]:
+        mem = (pp * weights + active * ctx * kvg) / hbm
+        eff = p.matmul_eff(p.mfu_decode, 2 * active / pp * h * ffn / tp)
+        cmp_ = active * (n_mat + n_attn * ctx) / shards / (eff * peak)
+        act = active / pp * h * 2
+        if tp == 1 or act <= 0:
+            comm = 0.0
+        elif one_node:  # allreduce_s inside one node, its terms computed once
+            comm = n_ar * (lat + ring * act / intra)
+        else:
+            comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
+                                      alpha_inter=p.inter_latency_s, bw_inter=inter)
+        if pp > 1:
+            comm += pp * p2p_s(act, bw_pp, p.p2p_latency_s)
+        return mem, cmp_, comm
+
+    return terms
 
 
 def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, cluster: ClusterSpec,

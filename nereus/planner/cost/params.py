@@ -136,10 +136,15 @@ class CostParams:
 
     def iteration_overhead_s(self, engine: str, batch: float) -> float:
         """Per-iteration overhead of ``engine`` running ``batch`` sequences."""
+        o0, o1 = self.engine_overhead_terms(engine)
+        return o0 + o1 * batch
+
+    def engine_overhead_terms(self, engine: str) -> tuple[float, float]:
+        """(overhead at batch 1 s, per running sequence s) of ``engine``'s iterations."""
         for name, o0, o1 in self.engine_overhead:
             if name == engine:
-                return o0 + o1 * batch
-        return self.decode_step_overhead_s + self.decode_overhead_per_seq_s * batch
+                return o0, o1
+        return self.decode_step_overhead_s, self.decode_overhead_per_seq_s
 
     def with_stage_factors(self, **factors: float) -> "CostParams":
         merged = dict(self.stage_factor)

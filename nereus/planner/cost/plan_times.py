@@ -71,17 +71,33 @@ def compose_step(job: JobSpec, plan: Plan, stage_s: Mapping[str, float], sync_s:
     return total
 
 
-def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, params: CostParams) -> PlanTimes:
+def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, params: CostParams,
+                   memo: dict | None = None) -> PlanTimes:
     """Time and memory of every model-stage of ``plan`` on ``w`` under ``params`` (noiseless).
     Memory is counted per GPU: the residents of every model homed on a GPU (pools nest) plus the
-    running stage's transient."""
+    running stage's transient. ``memo``: a dict the caller keeps for one job and one set of
+    parameters, where stage estimates are shared between plans that hold a model-stage in the same
+    configuration (the controller re-scores a library of plans that differ in a few stages)."""
     usable = cluster.gpu.usable_bytes
     segs = _segments(plan)
     resident = {seg: 0.0 for seg in segs}
     est = {}
+    wkey = workload_key(w) if memo is not None else None
+
+    def stage_estimate(name: str, cfg: ParallelConfig, budget: float | None = None):
+        if memo is None:
+            return estimate(job, cluster, name, cfg, w, params, kv_budget_bytes=budget)
+        key = (name, cfg, wkey, budget, cluster)
+        e = memo.get(key)
+        if e is None:
+            if len(memo) > 50000:
+                memo.clear()
+            e = memo[key] = estimate(job, cluster, name, cfg, w, params, kv_budget_bytes=budget)
+        return e
+
     for s in plan.stages:
         if s.stage != "generation":
-            est[s.name] = e = estimate(job, cluster, s.name, s.config, w, params)
+            est[s.name] = e = stage_estimate(s.name, s.config)
             if HOME_STAGE.get(s.role) == s.name:
                 for seg in segs:
                     if _covers(s, seg):
@@ -93,7 +109,7 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     gen = plan.stage("actor/generation")
     gen_fixed = est_fixed_gen_bytes(job, cluster, gen.config, params)
     budget = usable * engine_memory_util(job, params) - most_resident(gen) - gen_fixed
-    est[gen.name] = estimate(job, cluster, gen.name, gen.config, w, params, kv_budget_bytes=budget)
+    est[gen.name] = stage_estimate(gen.name, gen.config, budget)
     violations = []
     peak = {}
     for s in plan.stages:

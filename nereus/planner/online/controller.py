@@ -121,6 +121,8 @@ class Controller:
         self._base_w = job.workload()
         self._cap = int(job.sequence.response_len_max)
         self._eval: dict[tuple, PlanTimes] = {}
+        self._stage_memo: dict[tuple, object] = {}
+        """Stage estimates shared by the library's plans (``evaluate_times``'s memo)."""
         self._cost: dict[tuple, float] = {}
         self._streak: tuple[tuple, int] = ((), 0)
         self._last_switch = -10**9
@@ -250,7 +252,7 @@ class Controller:
             if len(self._eval) > 20000:
                 self._eval.clear()
             cluster = self.plans.cluster_for(self.cluster.num_gpus, r)
-            t = self._eval[key] = evaluate_times(self.job, cluster, plan, w, self.base_params)
+            t = self._eval[key] = evaluate_times(self.job, cluster, plan, w, self.base_params, self._stage_memo)
         return t
 
     def _calibrate(self, m: StepMetrics, w: Workload) -> None:
