@@ -2,7 +2,7 @@
 GPU behind a hardware name, the precision, the engine.
 
 Architectures are the public Hugging Face / framework configs. Models whose MLP has two matrices
-(MPT, GPT-3, Nemotron: GELU or squared-ReLU, width 4h) get the SwiGLU width with the same
+(MPT, GPT-2, OPT, GPT-3, Nemotron: GELU, ReLU or squared-ReLU, width 4h) get the SwiGLU width with the same
 parameter count, f = 2/3 of theirs, since the cost model's blocks are SwiGLU. Mixture-of-experts
 models are not modelled: their rows are skipped, with the reason.
 """
@@ -45,6 +45,9 @@ ARCHITECTURES: dict[str, ModelSpec] = {
     "qwen2.5-math-7b": preset("qwen2.5-7b"),
     "qwen2.5-32b": preset("qwen2.5-32b"),
     "qwen2.5-72b": preset("qwen2.5-72b"),
+    "qwen3-0.6b": _m("qwen3-0.6b", 28, 1024, 3072, 16, 8, 151936, tie_embeddings=True, qk_norm=True),
+    "gpt2": _m("gpt2", 12, 768, _two_matrix(3072), 12, 12, 50257, 64, tie_embeddings=True),
+    "opt-125m": _m("opt-125m", 12, 768, _two_matrix(3072), 12, 12, 50272, 64, tie_embeddings=True),
     "qwen3-4b": _m("qwen3-4b", 36, 2560, 9728, 32, 8, 151936, tie_embeddings=True, qk_norm=True),
     "qwen3-8b": preset("qwen3-8b"),
     "qwen3-14b": preset("qwen3-14b"),

@@ -25,6 +25,7 @@ from nereus.planner.cost.params import CostParams
 
 FITTED: tuple[tuple[str, float, float], ...] = (
     ("mfu_train", 0.15, 0.80),
+    ("mfu_train_fp8", 0.10, 0.80),
     ("mfu_prefill", 0.15, 0.90),
     ("mfu_decode", 0.10, 0.90),
     ("mfu_attn", 0.10, 0.80),
@@ -101,3 +102,63 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
         "at_bound": [n for n, v, (_, a, b) in zip(names, sol.x, FITTED) if abs(v - math.log(a)) < 1e-6 or abs(v - math.log(b)) < 1e-6],
     }
     return fitted, record
+
+
+EAGER_LAUNCH_BOUND = 1.5
+"""A pair counts as launch-bound when its eager time is at least this multiple of its CUDA-graph
+time: below it the GPU work hides most launches and the difference says little about them."""
+
+
+def _per_token_ms(r: Row) -> float | None:
+    """Milliseconds per decode iteration of a decode row: TPOT / ITL as stated, a batch's end-to-end
+    latency over its output tokens, or a static batch's output tokens/s inverted."""
+    if r.metric in ("tpot_ms", "median_tpot_ms", "itl_ms", "median_itl_ms"):
+        return r.value
+    out = r.num("output_len")
+    if r.metric == "e2e_latency_ms" and out:
+        return r.value / out
+    b = r.num("batch")
+    if r.metric == "output_tok_s" and b:
+        return 1e3 * b / r.value
+    return None
+
+
+def eager_pairs(rows: Iterable[Row]) -> list[dict]:
+    """The fit split's eager / CUDA-graph pairs: decode rows of one source, model, engine and metric
+    whose configs differ only in ``enforce_eager``, on vLLM or SGLang, of a dense model in the
+    catalog (its layer count). Each pair: ids, per-token ms both ways, layers, and the lower bound
+    on the per-layer launch time (eager - graph) / layers. Held-out rows are dropped first."""
+    from nereus.fidelity.catalog import resolve_model
+
+    graph, out = {}, []
+    cands = [r for r in fit_rows(list(rows)) if r.category == "decode" and r.get("enforce_eager") in ("0", "1")
+             and any(e in r.engine.lower() for e in ("vllm", "sglang"))]
+
+    def key(r: Row) -> tuple:
+        cfg = tuple(sorted((k, v) for k, v in r.config.items() if k != "enforce_eager"))
+        return (r.source, r.model, r.engine, r.metric, r.hardware, cfg)
+
+    for r in cands:
+        if r.get("enforce_eager") == "0":
+            graph[key(r)] = r
+    for r in cands:
+        g = graph.get(key(r)) if r.get("enforce_eager") == "1" else None
+        model, _ = resolve_model(r.model)
+        if g is None or model is None:
+            continue
+        te, tg = _per_token_ms(r), _per_token_ms(g)
+        if te is None or tg is None:
+            continue
+        out.append({"eager": r.id, "graph": g.id, "eager_ms": te, "graph_ms": tg, "layers": model.layers,
+                    "ratio": te / tg, "layer_ms": (te - tg) / model.layers})
+    return out
+
+
+def eager_layer_cpu_s(rows: Iterable[Row]) -> tuple[float, list[dict]]:
+    """``CostParams.eager_layer_cpu_s`` from the corpus: the median per-layer launch time over the
+    launch-bound eager pairs (``eager_pairs``, ratio >= ``EAGER_LAUNCH_BOUND``). Returns seconds and
+    the pairs it used."""
+    pairs = [p for p in eager_pairs(rows) if p["ratio"] >= EAGER_LAUNCH_BOUND]
+    if not pairs:
+        raise SpecError("no launch-bound eager / CUDA-graph pair in the corpus's fit split")
+    return float(np.median([p["layer_ms"] for p in pairs])) * 1e-3, pairs

@@ -6,7 +6,8 @@ plans with (``nereus.planner.cost``), fed the row's configuration.
   run gets the engine's concurrency (max_num_seqs, capped by what the KV cache holds);
 - prefill: ``prefill_s`` of one prompt plus one iteration's overhead;
 - collectives: ``allreduce_s`` / ``allgather_s`` at the row's size, GPU count and nodes;
-- training: ``estimate(actor/training)`` of one optimizer step of the row's global batch;
+- training: ``estimate(actor/training)`` of one optimizer step of the row's global batch (FP8 rows:
+  the layers' GEMMs in FP8, ``StageOptions.fp8_linear``);
 - RL stages: ``estimate`` of the matching model-stage of a job built from the row's config.
 
 A row the model cannot express (request-rate serving runs, dataset-driven lengths, MoE models,
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nereus.errors import NereusError
-from nereus.fidelity.catalog import engine_of, profile_gpu, resolve_gpu, resolve_model, with_precision
+from nereus.fidelity.catalog import FP8_CAPABLE, engine_of, profile_gpu, resolve_gpu, resolve_model, with_precision
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu,
@@ -124,7 +125,7 @@ def _decode(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     c = _concurrency(row, model, gpu, tp, pp, inp, out)
     cluster = _replica_cluster(gpu, tp * pp)
     engine = engine_of(row.engine)
-    t_iter = decode_iteration_s(model, tp, pp, c, inp + out / 2, cluster, p, engine)
+    t_iter = decode_iteration_s(model, tp, pp, c, inp + out / 2, cluster, p, engine, eager=_flag(row, "enforce_eager"))
     t_pre = prefill_s(model, tp, pp, inp, c, c, cluster, p)
     batch_s = t_pre + out * t_iter
     replicas = max(1, row.gpus // (tp * pp)) if row.gpus else 1
@@ -206,10 +207,16 @@ def model_flops(model: ModelSpec, seqs: float, seq_len: float) -> float:
 
 
 def _training(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    model, gpu_run = _model(row, gpu)
-    if (row.get("dtype") or "").lower().startswith("fp8"):
-        raise Unsupported("FP8 training: not modelled (the planner plans bf16 training; FP8 casts and scaling "
-                          "are mechanisms the model does not carry)")
+    fp8 = (row.get("dtype") or "").lower().startswith("fp8")
+    if fp8:  # FP8 GEMMs inside bf16 training: the model's sizes stay bf16 (StageOptions.fp8_linear)
+        model, why = resolve_model(row.model)
+        if model is None:
+            raise Unsupported(why)
+        if gpu.name not in FP8_CAPABLE:
+            raise Unsupported(f"FP8 training on {gpu.name}: no FP8 tensor cores")
+        gpu_run = gpu
+    else:
+        model, gpu_run = _model(row, gpu)
     if "tp" not in row.config:
         raise Unsupported("parallel layout (tp/pp/dp) not stated")
     tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
@@ -223,12 +230,14 @@ def _training(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     if gb is None:
         tokens = _tokens(row.get("tokens_per_batch"))
         gb = tokens / seq if tokens else mb * _int(row, "grad_accum", 1) * dp
+    if pp > 1 and row.num("pp_microbatches"):  # torchtitan: the local batch split into pipeline microbatches
+        mb = max(1, mb // _int(row, "pp_microbatches"))
     rec = row.get("recompute", "none")
     zero = 3 if "fsdp" in (row.get("sharding") or "") or "full_shard" in (row.get("sharding") or "") else 1
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp * cp, sp=cp, micro_batch=mb, zero=zero, recompute=rec == "full")
     cluster = _replica_cluster(gpu_run, gpus)
     w = Workload(sequences=max(1, int(round(gb))), prompt_len=max(1, seq - 1), response_len_mean=1, response_len_max=1)
-    e = estimate(_one_model_job(model), cluster, "actor/training", cfg, w, p)
+    e = estimate(_one_model_job(model), cluster, "actor/training", cfg, w, p, options=StageOptions(fp8_linear=fp8))
     t = e.time_s
     if row.metric == "tok_s_per_gpu":
         return gb * seq / (t * gpus)
@@ -267,7 +276,9 @@ def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
     job = JobSpec(algorithm=algo, models=tuple(roles),
                   batch=BatchSpec(prompts=prompts, samples_per_prompt=n, mini_batches=max(1, prompts // max(1, mini))),
                   sequence=SequenceSpec(prompt_len=prompt, response_len_mean=min(mean, cap), response_len_max=int(cap)),
-                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine), sleep="colocate" in (row.get("mode") or "colocate")))
+                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine),
+                                      sleep="colocate" in (row.get("mode") or "colocate"),
+                                      enforce_eager=_flag(row, "enforce_eager")))
     return job, job.workload()
 
 

@@ -242,6 +242,11 @@ class RolloutSpec:
     """Most sequences one engine runs at once (vLLM's default 256); the rest wait."""
     sleep: bool = True
     """Colocated engines sleep between rollouts (weights to host, KV freed) and wake up each step."""
+    enforce_eager: bool = False
+    """The engine runs without CUDA graphs (vLLM ``enforce_eager``, SGLang ``--disable-cuda-graph``;
+    verl's rollout default was ``enforce_eager=True`` in its early releases): every decode iteration
+    launches its kernels from Python, ``CostParams.eager_layer_cpu_s`` per layer, which a small
+    model's GPU time cannot hide."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -253,6 +258,8 @@ class RolloutSpec:
         _positive("rollout", "max_num_seqs", self.max_num_seqs)
         if not isinstance(self.sleep, bool):
             raise SpecError(f"rollout: sleep must be true or false, got {self.sleep!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise SpecError(f"rollout: enforce_eager must be true or false, got {self.enforce_eager!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

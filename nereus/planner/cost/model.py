@@ -70,11 +70,15 @@ class StageOptions:
       reference model with ``param_offload``: the shard is copied host -> GPU for every forward).
     - ``optimizer_offload``: the Adam state lives on the host and moves to the GPU and back
       around each optimizer update call (verl ``fsdp_config.optimizer_offload``).
+    - ``fp8_linear``: training runs the decoder layers' linear GEMMs in FP8 (Transformer Engine,
+      torchao float8): see ``fp8_linear_s``. Memory is unchanged (weights, gradients, optimizer
+      state and saved activations stay in bf16 / fp32).
     """
 
     pad_to: int = 0
     param_offload: str = "none"
     optimizer_offload: bool = False
+    fp8_linear: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.pad_to, bool) or not isinstance(self.pad_to, int) or self.pad_to < 0:
@@ -84,6 +88,8 @@ class StageOptions:
                             f"got {self.param_offload!r}")
         if not isinstance(self.optimizer_offload, bool):
             raise SpecError(f"stage options: optimizer_offload must be true or false, got {self.optimizer_offload!r}")
+        if not isinstance(self.fp8_linear, bool):
+            raise SpecError(f"stage options: fp8_linear must be true or false, got {self.fp8_linear!r}")
 
 
 NO_OPTIONS = StageOptions()
@@ -269,7 +275,13 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
     flops = n_factor * model.matmul_params() * tokens * E
     eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
-    compute = flops / (cfg.gpus * gpu.peak_flops * eff) + attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
+    if o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
+        layer_flops = n_factor * L * model.layer_params() * tokens * E
+        compute = ((flops - layer_flops) / (cfg.gpus * gpu.peak_flops * eff)
+                   + fp8_linear_s(model, layer_flops, tokens * E, cfg, mb_tokens, gpu, p))
+    else:
+        compute = flops / (cfg.gpus * gpu.peak_flops * eff)
+    compute += attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
     # communication
     n_micro = E * M * m
@@ -319,6 +331,30 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     return _finish(ms, cfg, t, "training", p, resident, transient, cluster)
 
 
+FP8_PEAK_FACTOR = 2.0
+"""Dense FP8 tensor-core peak over the bf16 peak on Hopper-class GPUs (H100 SXM: 1,979 vs 989 TFLOP/s)."""
+FP8_CAST_BYTES = 3.0
+"""HBM bytes per element to cast a GEMM operand to FP8: read bf16 (2), write fp8 (1)."""
+
+
+def fp8_linear_s(model: ModelSpec, layer_flops: float, tokens: float, cfg: ParallelConfig, mb_tokens: float,
+                 gpu, p: CostParams) -> float:
+    """Seconds of the decoder layers' linear GEMMs of a training step run in FP8 (Transformer Engine /
+    torchao float8 recipes), over the step's ``tokens``: the GEMMs at twice the bf16 peak
+    (``FP8_PEAK_FACTOR``) at ``p.mfu_train_fp8`` (size-dependent like the bf16 ones), plus the casts
+    of their operands, memory-bound: each linear layer's input activations in the forward and the
+    output gradients in the backward (per token: h + q + h + f in, q + 2 kv + h + 2 f + h out per
+    layer), and the weights once per micro-batch for forward and backward. Derived, except
+    ``mfu_train_fp8``, which the GPU profiles fit on the corpus's FP8 fit rows."""
+    h, f, L = model.hidden, model.ffn, model.layers
+    eff = p.matmul_eff(p.mfu_train_fp8, 2 * mb_tokens / cfg.sp * h * f / cfg.tp)
+    gemm = layer_flops / (cfg.gpus * FP8_PEAK_FACTOR * gpu.peak_flops * eff)
+    act = (h + model.q_dim + h + f) * (2 if cfg.recompute else 1) + (model.q_dim + 2 * model.kv_dim + h + 2 * f + h)
+    micro = tokens / max(1.0, mb_tokens) / cfg.dp  # micro-batches per GPU
+    elems = tokens / cfg.dp * L / cfg.pp * act / cfg.tp + micro * 2 * L * model.layer_params() / (cfg.tp * cfg.pp)
+    return gemm + elems * FP8_CAST_BYTES / (p.hbm_eff * gpu.hbm_bytes_per_s)
+
+
 def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int) -> float:
     """Ulysses all-to-all of ``nbytes`` per rank over the n sequence-parallel ranks."""
     return alltoall_s(nbytes, n, _group_bw(cluster, n * stride, p), p.allreduce_latency_s)
@@ -351,6 +387,8 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
     if head == "lm":
         t["logprob_vocab"] = logprob_vocab_s(tokens, model.vocab, cfg, cluster, p, training=False)
     psi = params_per_gpu(model, tp, pp, head)
+    if cfg.zero >= 3:  # FSDP: every micro-batch's forward all-gathers the parameters again (resharded after it)
+        t["fsdp_gather"] = m * ag_s(psi * 2, cfg.dp, cluster, p, tp * pp)
     if o.param_offload != "none":
         t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
                                              bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
@@ -483,7 +521,7 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
         per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
-                                   concurrency)
+                                   concurrency, job.rollout.enforce_eager)
     t = {"prefill": t_prefill, **dict(acc)}
     if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep (KV re-allocated)
         t["engine_wake_sleep"] = 2 * weights / (p.host_link_gbps * 1e9)
@@ -499,11 +537,12 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
 @lru_cache(maxsize=8192)
 def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams, engine: str, n: int,
                   P: int, mean: float, p90: float | None, cap: int, total: int,
-                  concurrency: int) -> tuple[float, tuple[tuple[str, float], ...]]:
+                  concurrency: int, eager: bool = False) -> tuple[float, tuple[tuple[str, float], ...]]:
     """Prefill seconds and the decode components of one replica's ``n`` sequences (of ``total``
     in the step), at most ``concurrency`` at a time, over the decode grid (points (x, sequences
     still running)). Cached: plans that differ elsewhere, or only in how much KV room they leave
-    when as many sequences run at once, share it."""
+    when as many sequences run at once, share it. ``eager``: no CUDA graphs, so each iteration
+    lasts at least its kernel launches (``eager_launch_s``); the excess is ``eager_launch``."""
     grid = decode_grid(n, mean, p90, cap, total=total)
     static = engine == "static"
     if static:  # every row holds its slot until the longest of the batch ends
@@ -512,12 +551,17 @@ def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: C
     acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
     step_terms = decode_terms(model, tp, pp, cluster, p)
     o0, o1 = p.engine_overhead_terms(engine)
+    launch = eager_launch_s(model, p) if eager else 0.0
+    if eager:
+        acc["eager_launch"] = 0.0
 
     def run(steps: float, active: float, ctx: float) -> None:
         mem, cmp_, comm = step_terms(active, ctx)
         acc["decode_memory" if mem >= cmp_ else "decode_compute"] += steps * max(mem, cmp_)
         acc["tp_comm"] += steps * comm
         acc["step_overhead"] += steps * (o0 + o1 * active)
+        if launch:
+            acc["eager_launch"] += steps * max(0.0, launch - max(mem, cmp_) - comm)
 
     if n > concurrency and static:  # sequential batches, each decoding to its longest
         run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
@@ -548,11 +592,22 @@ def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float
 
 
 def decode_iteration_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
-                       p: CostParams, engine: str = "vllm") -> float:
+                       p: CostParams, engine: str = "vllm", eager: bool = False) -> float:
     """Wall time of one engine iteration decoding ``active`` sequences at context ``ctx``: the
-    larger of the memory- and compute-bound times, the TP collectives, the engine's overhead."""
+    larger of the memory- and compute-bound times, the TP collectives, the engine's overhead.
+    ``eager`` (no CUDA graphs): the GPU part lasts at least the iteration's kernel launches."""
     mem, cmp_, comm = decode_step_s(model, tp, pp, active, ctx, cluster, p)
-    return max(mem, cmp_) + comm + p.iteration_overhead_s(engine, active)
+    gpu = max(mem, cmp_) + comm
+    if eager:
+        gpu = max(gpu, eager_launch_s(model, p))
+    return gpu + p.iteration_overhead_s(engine, active)
+
+
+def eager_launch_s(model: ModelSpec, p: CostParams) -> float:
+    """Host time to launch one decode iteration's kernels without CUDA graphs: every decoder layer's
+    (``p.eager_layer_cpu_s``). Each rank of a TP group launches its own in parallel; the pipeline
+    stages of a replica together launch every layer once per iteration."""
+    return model.layers * p.eager_layer_cpu_s
 
 
 def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,

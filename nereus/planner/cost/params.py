@@ -23,6 +23,9 @@ STAGES = ("generation", "inference", "training")
 class CostParams:
     mfu_train: float = 0.45
     """Achieved fraction of bf16 peak in training matmuls."""
+    mfu_train_fp8: float = 0.30
+    """Achieved fraction of the FP8 peak (2x bf16) in training's FP8 linear GEMMs
+    (``StageOptions.fp8_linear``); analytic start, fitted by the GPU profiles on FP8 training rows."""
     mfu_prefill: float = 0.60
     """Achieved fraction of peak in forward passes (prefill, log-prob / value inference)."""
     mfu_decode: float = 0.50
@@ -70,6 +73,15 @@ class CostParams:
     optimizer_step_overhead_s: float = 0.0
     """Fixed cost of one optimizer step on one GPU beyond its bytes: one update and (ZeRO) one
     all-gather launched per parameter tensor (default 0; the demo measures it)."""
+    eager_layer_cpu_s: float = 1.7e-4
+    """Host time to launch one decoder layer's kernels in one decode iteration of an engine running
+    without CUDA graphs (``RolloutSpec.enforce_eager``). Launches run ahead of the GPU, so an
+    iteration takes the larger of its GPU time and layers x this. Derived, not fitted to a single
+    number: the median over the corpus's fit-split eager / CUDA-graph pairs of dense models whose
+    eager run is visibly launch-bound (eager >= 1.5x graph) of (eager - graph time per token) /
+    layers (``nereus.fidelity.fit.eager_layer_cpu_s``): 0.10-0.32 ms over GPT-2, OPT-125m and
+    Qwen3-0.6B on vLLM V0/V1 and SGLang. A lower bound per pair (the GPU time hidden under the
+    launches is not added back)."""
     engine_overhead: tuple[tuple[str, float, float], ...] = ()
     """Per-engine (engine, overhead at batch 1 s, per-sequence s) fitted from published decode
     tables; an engine not listed uses the two fields above."""
@@ -126,7 +138,7 @@ class CostParams:
                 continue
             if not _real(v) or v < 0:
                 raise SpecError(f"cost params: {f.name} must be a finite number >= 0, got {v!r}")
-        for f in ("mfu_train", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
+        for f in ("mfu_train", "mfu_train_fp8", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
                   "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:
                 raise SpecError(f"cost params: {f} must be in (0, 1], got {getattr(self, f)}")
