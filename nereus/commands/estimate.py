@@ -28,6 +28,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                                     "gpu_memory_utilization; default 0.9)")
     p.add_argument("--engine", choices=("vllm", "sglang", "tensorrt-llm", "static"), help="generation engine")
     p.add_argument("--max-num-seqs", type=pos_int, help="most sequences an engine runs at once (default 256)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="generation engine without CUDA graphs (vLLM enforce_eager): kernel launches per decode "
+                        "iteration")
     p.add_argument("--response-len-mean", type=pos_float)
     p.add_argument("--response-len-max", type=pos_int)
     p.add_argument("--json", metavar="OUT", help="write the estimate as JSON")
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     job, cluster, params = load_specs(args)
     ro = {k: v for k, v in (("engine", args.engine), ("gpu_memory_utilization", args.gpu_memory_utilization),
-                            ("max_num_seqs", args.max_num_seqs)) if v is not None}
+                            ("max_num_seqs", args.max_num_seqs), ("enforce_eager", args.enforce_eager))
+          if v is not None}
     if ro:
         job = replace(job, rollout=replace(job.rollout, **ro))
     w = job.workload()

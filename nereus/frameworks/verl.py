@@ -167,7 +167,9 @@ def overrides(problem, plan: Plan, engine: str, *, dynamic_bsz: bool = False) ->
             ("actor_rollout_ref.rollout.tensor_model_parallel_size", str(g.config.tp)),
             ("actor_rollout_ref.rollout.pipeline_model_parallel_size", str(g.config.pp)),
             ("actor_rollout_ref.rollout.gpu_memory_utilization",
-             f"{generation_memory_fraction(job, cluster, plan, w, params):.2f}")]
+             f"{generation_memory_fraction(job, cluster, plan, w, params):.2f}"),
+            # the plan was priced with (or without) CUDA graphs as the job says: keep verl on the same
+            ("actor_rollout_ref.rollout.enforce_eager", "true" if job.rollout.enforce_eager else "false")]
     off = offloaded(plan)
     for name in SHARED:
         if name in u:

@@ -73,3 +73,23 @@ def test_estimate_takes_what_real_jobs_set(tmp_path):
                 stage="actor/generation", dp="32")
     assert small["mem_breakdown"]["kv_cache"] < gen["mem_breakdown"]["kv_cache"]
     assert small["time_s"] > gen["time_s"] and small["waves"] > 1  # 8 at a time: the rest wait
+
+
+def test_estimate_enforce_eager_adds_launch_time_to_generation(tmp_path):
+    """--enforce-eager: every decode iteration of a 1.5B model lasts its kernel launches (eager_launch),
+    which its GPU time does not hide."""
+    job = tmp_path / "grpo-1.5b.yaml"
+    job.write_text("algorithm: grpo\nmodels: {actor: deepseek-r1-distill-qwen-1.5b, ref: deepseek-r1-distill-qwen-1.5b}\n"
+                   "batch: {prompts: 64, samples_per_prompt: 8}\n"
+                   "sequence: {prompt_len: 512, response_len_mean: 64, response_len_max: 256}\n")
+    outs = []
+    for extra in ((), ("--enforce-eager",)):
+        out = tmp_path / f"g{len(outs)}.json"
+        r = nereus("estimate", "--job", str(job), "--cluster", "examples/cluster-h100-4n.yaml",
+                   "--model-stage", "actor/generation", "--tp", "1", "--dp", "32",
+                   "--response-len-mean", "64", "--response-len-max", "256", "--json", str(out), *extra)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(out.read_text()))
+    graph, eager = outs
+    assert "eager_launch" not in graph["time_breakdown"]
+    assert eager["time_breakdown"]["eager_launch"] > 0 and eager["time_s"] > graph["time_s"]
