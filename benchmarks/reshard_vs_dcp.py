@@ -328,7 +328,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
             "nereus_mismatches": len(bad_nereus), "dcp_equal": dcp_equal, "bytes_sent": report.bytes_sent,
             "bytes_copied": report.bytes_copied, "bytes_staged": report.bytes_staged, "messages": report.messages,
             "nereus_first_s": first_s, "arena_reserve_s": reserve_s, "data_messages": len(posted["send"]),
-            "nereus_warm_all_s": times["nereus"]}
+            "nereus_warm_all_s": times["nereus"], "nereus_phases": dict(report.phases)}
 
 
 SHAPES = {
@@ -407,7 +407,8 @@ def run_shape(name: str, arch: str, layers: int, hidden: int, precision: str, ar
            "nereus_bit_exact": all(o["nereus_mismatches"] == 0 for o in out),
            "dcp_bit_exact": all(o["dcp_equal"] for o in out), "world": world,
            "backend": "gloo (CPU)" if args.backend == "gloo" else "nccl (CUDA)",
-           "repeat": args.repeat, "all_times_s": r["all_times"]}
+           "repeat": args.repeat, "all_times_s": r["all_times"],
+           "nereus_phases_by_rank": [o["nereus_phases"] for o in out]}
     res["targets_met"] = {k: (res[k] >= v if k == "speedup_vs_dcp" else res[k] <= v) for k, v in TARGETS.items()}
     return res
 
