@@ -304,7 +304,9 @@ def stage_settings(row: Row, ms: str, tp: int, pp: int, dp: int, fsdp: bool) -> 
     - offload: ``actor_param_offload`` / ``critic_param_offload`` (verl's per-call offload),
       ``ref_param_offload`` (FSDP CPUOffload, per micro-batch), ``actor_optimizer_offload`` /
       ``critic_optimizer_offload`` (update calls);
-    - ``grad_ckpt`` (default on): full recomputation in training."""
+    - ``grad_ckpt`` (default on): full recomputation in training;
+    - verl with an FSDP actor / critic (unless ``no_sync_grad_accum=1``): gradients reduce-scattered in
+      fp32 after every micro-batch (``StageOptions.grad_sync``)."""
     role, _, stage = ms.partition("/")
     budget0 = _int(row, "ppo_max_token_len_per_gpu", 0)
     dyn0 = _flag(row, "use_dynamic_bsz", budget0 > 0)
@@ -338,7 +340,11 @@ def stage_settings(row: Row, ms: str, tp: int, pp: int, dp: int, fsdp: bool) -> 
     if _flag(row, f"{role}_param_offload"):
         offload = "per_micro_batch" if role == "ref" else "per_call"
     opt_off = stage == "training" and _flag(row, f"{role}_optimizer_offload")
-    return cfg, StageOptions(pad_to=pad_to, param_offload=offload, optimizer_offload=opt_off)
+    # verl's FSDP workers reduce-scatter gradients after every micro-batch's backward (no no_sync;
+    # later releases: use_no_sync_for_gradient_accumulation, default false) in fp32 (reduce_dtype)
+    per_mb = fsdp and row.engine.lower().startswith("verl") and not _flag(row, "no_sync_grad_accum")
+    return cfg, StageOptions(pad_to=pad_to, param_offload=offload, optimizer_offload=opt_off,
+                             grad_sync="micro_batch" if per_mb else "step", grad_reduce_bytes=4 if per_mb else 0)
 
 
 def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:

@@ -328,3 +328,28 @@ def test_eager_launch_time_is_the_corpus_pairs_median_and_binds_small_models_onl
             continue  # hardware not stated
         assert 0.5 <= pe.predicted / e.value <= 2.0
         assert pe.predicted / pg.predicted >= 1.5
+
+
+def test_verl_fsdp_reduces_gradients_after_every_micro_batch_in_fp32():
+    """verl's FSDP workers call backward per micro-batch without no_sync (its engine's
+    use_no_sync_for_gradient_accumulation defaults to false), with reduce_dtype fp32: one fp32
+    reduce-scatter per micro-batch, not one bf16 one per optimizer step. The held-out verl FSDP
+    rows are predicted so; Megatron rows keep one reduction per step."""
+    m = preset("llama-3.1-8b")
+    job = JobSpec(algorithm="grpo", models=(("actor", m), ("ref", m)), batch=BatchSpec(prompts=64, samples_per_prompt=8),
+                  sequence=SequenceSpec(prompt_len=256, response_len_mean=512, response_len_max=1024))
+    cfg = ParallelConfig(tp=1, dp=8, zero=3, micro_batch=2, recompute=True)
+    step = estimate(job, H100, "actor/training", cfg, options=StageOptions())
+    per_mb = estimate(job, H100, "actor/training", cfg, options=StageOptions(grad_sync="micro_batch", grad_reduce_bytes=4))
+    micro = 64 * 8 / 8 / 2  # micro-batches per GPU per step (one mini-batch)
+    sync_step, sync_mb = step.time_breakdown["dp_grad_sync"], per_mb.time_breakdown["dp_grad_sync"]
+    assert sync_mb / sync_step == pytest.approx(micro * 2, rel=0.05)  # every micro-batch, twice the bytes
+    verl = [r for r in rows("rl_stages") if r.engine.lower().startswith("verl") and r.get("stage") == "update_actor"
+            and "fsdp" in (r.get("actor_backend") or "fsdp")]
+    mega = [r for r in rows("rl_stages") if r.get("actor_backend") == "megatron" and r.get("stage") == "update_actor"]
+    assert verl and mega
+    for r in verl[:3]:
+        _, o = fidelity_predict.stage_settings(r, "actor/training", 1, 1, 8, True)
+        assert (o.grad_sync, o.grad_reduce_bytes) == ("micro_batch", 4)
+    _, o = fidelity_predict.stage_settings(mega[0], "actor/training", 1, 1, 8, False)
+    assert o.grad_sync == "step"

@@ -73,12 +73,20 @@ class StageOptions:
     - ``fp8_linear``: training runs the decoder layers' linear GEMMs in FP8 (Transformer Engine,
       torchao float8): see ``fp8_linear_s``. Memory is unchanged (weights, gradients, optimizer
       state and saved activations stay in bf16 / fp32).
+    - ``grad_sync``: when data-parallel gradients are reduced in training: ``step`` (once per
+      optimizer step, after the last micro-batch: Megatron, Nereus's executor, verl with
+      ``use_no_sync_for_gradient_accumulation=True``) or ``micro_batch`` (every backward: PyTorch
+      FSDP / DDP accumulating gradients without ``no_sync``, verl's FSDP default).
+    - ``grad_reduce_bytes``: bytes per gradient element on the wire (0: the model's dtype; verl's
+      FSDP ``mixed_precision.reduce_dtype`` defaults to fp32, 4).
     """
 
     pad_to: int = 0
     param_offload: str = "none"
     optimizer_offload: bool = False
     fp8_linear: bool = False
+    grad_sync: str = "step"
+    grad_reduce_bytes: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.pad_to, bool) or not isinstance(self.pad_to, int) or self.pad_to < 0:
@@ -90,6 +98,11 @@ class StageOptions:
             raise SpecError(f"stage options: optimizer_offload must be true or false, got {self.optimizer_offload!r}")
         if not isinstance(self.fp8_linear, bool):
             raise SpecError(f"stage options: fp8_linear must be true or false, got {self.fp8_linear!r}")
+        if self.grad_sync not in ("step", "micro_batch"):
+            raise SpecError(f"stage options: grad_sync must be step or micro_batch, got {self.grad_sync!r}")
+        if isinstance(self.grad_reduce_bytes, bool) or self.grad_reduce_bytes not in (0, 1, 2, 4):
+            raise SpecError(f"stage options: grad_reduce_bytes must be 0 (the model's dtype), 1, 2 or 4, "
+                            f"got {self.grad_reduce_bytes!r}")
 
 
 NO_OPTIONS = StageOptions()
@@ -291,11 +304,14 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * _a2a(act_bytes / tp, sp, cluster, p, tp)
     t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
     psi = params_per_gpu(model, tp, pp, head)
+    # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
+    syncs = n_micro if o.grad_sync == "micro_batch" else E * M
+    grad_bytes = psi * (o.grad_reduce_bytes or model.dtype_bytes)
     if cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
         t["fsdp_gather"] = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
-        t["dp_grad_sync"] = E * M * ag_s(psi * 2, dp, cluster, p, tp * pp)
+        t["dp_grad_sync"] = syncs * ag_s(grad_bytes, dp, cluster, p, tp * pp)
     else:
-        t["dp_grad_sync"] = E * M * ar_s(psi * 2, dp, cluster, p, tp * pp)
+        t["dp_grad_sync"] = syncs * ar_s(grad_bytes, dp, cluster, p, tp * pp)
     opt_share = psi / dp if cfg.zero >= 1 else psi
     t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
     if head == "lm":

@@ -211,8 +211,8 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
                 for rc in (cs.recompute if trainable else (False,)):
                     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
                     ests = [est(unit.stages[0], cfg)]
-                    if trainable:  # inference ignores ZeRO and recompute: estimate it once per layout
-                        key = (tp, pp, mb, sp)
+                    if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
+                        key = (tp, pp, mb, sp, zero >= 3)
                         if key not in infer_cache:
                             infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])
