@@ -79,3 +79,34 @@ def test_decode_iteration_matches_terms():
         assert (comm == 0.0) == (tp == 1)
         assert decode_iteration_s(m, tp, 1, 64, 2048, cluster, p) == pytest.approx(
             max(mem, cmp_) + comm + p.iteration_overhead_s("vllm", 64))
+
+
+def test_decode_phase_cache_keys_everything_it_depends_on():
+    """Generation estimates with the decode-integral cache warm equal fresh ones, over workloads and
+    KV budgets that differ in one thing at a time (p90, cap, mean, concurrency, TP, engine, eager)."""
+    from nereus.planner.cost import model as M
+    from nereus.planner.specs import ParallelConfig, RolloutSpec
+
+    job = load_job(ROOT / "examples/ppo-8b.yaml")
+    cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml")
+    p = CostParams()
+    base = job.workload()
+    loads = [base.with_lengths(mean=2000, max_=8192), base.with_lengths(mean=2000, max_=16384),
+             base.with_lengths(mean=3000, max_=8192), replace(base.with_lengths(mean=2000, max_=8192), response_len_p90=6000.0)]
+    jobs = [job, replace(job, rollout=RolloutSpec(engine="sglang")), replace(job, rollout=RolloutSpec(enforce_eager=True)),
+            replace(job, rollout=RolloutSpec(max_num_seqs=16))]
+    cases = [(j, w, tp, budget) for j in jobs for w in loads for tp in (1, 2) for budget in (None, 6 * 2**30)]
+
+    def run(clear: bool) -> list:
+        out = []
+        for j, w, tp, budget in cases:
+            if clear:
+                M._decode_phase.cache_clear()
+            e = M.estimate(j, cluster, "actor/generation", ParallelConfig(tp=tp, dp=8 // tp), w, p, kv_budget_bytes=budget)
+            out.append((e.time_s, tuple(sorted(e.time_breakdown.items()))))
+        return out
+
+    fresh = run(True)
+    M._decode_phase.cache_clear()
+    assert run(False) == fresh
+    assert len(set(fresh)) > len(cases) // 2  # the cases do differ
