@@ -111,6 +111,13 @@ def resolve_gpu(hardware: str) -> tuple[GPUSpec | None, str]:
     return None, f"hardware {hardware!r} unknown"
 
 
+def power_capped(hardware: str) -> bool:
+    """A variant run below its chip's power limit (the corpus writes it as a ``-<watts>w`` suffix,
+    e.g. Meta's Grand Teton H100s, ``h100-96gb-hbm2e-500w``): its sustained tensor-core throughput
+    is below the chip's (``CostParams.power_cap_flops_scale``)."""
+    return re.search(r"-\d+w$", hardware.strip().lower()) is not None
+
+
 def profile_gpu(gpu: GPUSpec) -> str:
     """The GPU whose fitted profile predicts rows of ``gpu`` (variants share their chip's)."""
     return {"h800": "h100-80gb", "a800-80gb": "a100-80gb", "a100-40gb": "a100-80gb"}.get(gpu.name, gpu.name)

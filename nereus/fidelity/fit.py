@@ -26,6 +26,7 @@ from nereus.planner.cost.params import CostParams
 FITTED: tuple[tuple[str, float, float], ...] = (
     ("mfu_train", 0.15, 0.80),
     ("mfu_train_fp8", 0.10, 0.80),
+    ("power_cap_flops_scale", 0.40, 1.00),
     ("mfu_prefill", 0.15, 0.90),
     ("mfu_decode", 0.10, 0.90),
     ("mfu_attn", 0.10, 0.80),

@@ -16,11 +16,12 @@ unknown hardware, an RL row without its mean response length) gets no prediction
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from nereus.errors import NereusError
-from nereus.fidelity.catalog import FP8_CAPABLE, engine_of, profile_gpu, resolve_gpu, resolve_model, with_precision
+from nereus.fidelity.catalog import (FP8_CAPABLE, engine_of, power_capped, profile_gpu, resolve_gpu, resolve_model,
+                                     with_precision)
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu,
@@ -64,6 +65,8 @@ def predict(row: Row, params_for: ParamsFor) -> Prediction:
     prof = profile_gpu(gpu)
     try:
         p = params_for(prof)
+        if power_capped(row.hardware):
+            gpu = replace(gpu, tflops_bf16=gpu.tflops_bf16 * p.power_cap_flops_scale)
         value = _PREDICTORS[row.category](row, gpu, p)
     except Unsupported as e:
         return Prediction(row, None, str(e), prof)

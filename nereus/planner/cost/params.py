@@ -26,6 +26,12 @@ class CostParams:
     mfu_train_fp8: float = 0.30
     """Achieved fraction of the FP8 peak (2x bf16) in training's FP8 linear GEMMs
     (``StageOptions.fp8_linear``); analytic start, fitted by the GPU profiles on FP8 training rows."""
+    power_cap_flops_scale: float = 1.0
+    """Sustained tensor-core throughput of a power-capped variant of this profile's GPU relative to
+    the full-power chip (Meta's 500 W Grand Teton H100s against 700 W H100 SXM): the cap lowers
+    clocks under dense GEMMs. Fitted per profile on the capped variant's fit rows (bf16 rows pin it,
+    the profile's full-power rows pin ``mfu_train``); used by ``nereus fidelity`` for rows of a
+    capped variant (``fidelity.catalog.power_capped``), not by the planner."""
     mfu_prefill: float = 0.60
     """Achieved fraction of peak in forward passes (prefill, log-prob / value inference)."""
     mfu_decode: float = 0.50
@@ -138,7 +144,7 @@ class CostParams:
                 continue
             if not _real(v) or v < 0:
                 raise SpecError(f"cost params: {f.name} must be a finite number >= 0, got {v!r}")
-        for f in ("mfu_train", "mfu_train_fp8", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
+        for f in ("mfu_train", "mfu_train_fp8", "power_cap_flops_scale", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
                   "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:
                 raise SpecError(f"cost params: {f} must be in (0, 1], got {getattr(self, f)}")
