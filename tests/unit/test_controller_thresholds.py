@@ -316,3 +316,28 @@ def test_switch_lowers_ground_truth_step_time_compared_to_staying(env):
             total += gt.transition_s(before, dd.plan)
         totals[name] = total
     assert totals["adaptive"] < 0.95 * totals["static"], totals
+
+
+# ---- a current plan predicted to run out of memory later in the horizon ---------------------------
+def test_plan_predicted_to_fail_later_is_left_when_the_alternative_repays_before_the_failure(env):
+    """The current plan runs next step but not at the later forecast points (its horizon time is
+    infinite). The alternative is compared with it over the steps it still runs: taken when that
+    saving repays the transition, otherwise the current plan stays until the must-switch. (Before,
+    the infinite horizon made every saving look like model noise, and such a plan was never left.)"""
+    from nereus.planner.online.controller import _Candidate, _trapezoid
+
+    ctl = _ctl(env, _const(1.0))
+    offsets = ctl._offsets(0)
+    assert len(offsets) >= 3
+    cur_times = (10.0, 10.0) + (math.inf,) * (len(offsets) - 2)
+    fast = (5.0,) * len(offsets)
+    cur = _Candidate(ctl.plan, "current", horizon_s=math.inf, feasible_next=True, times=cur_times)
+    before = _trapezoid(cur_times[:2], offsets[:2]) - _trapezoid(fast[:2], offsets[:2])
+    assert before > 0
+    m = _metrics(env, 0, ctl.plan, gpus=8)
+    for cost, action in ((0.99 * before / (1 + ctl.margin), "switch"), (1.01 * before / (1 + ctl.margin), "stay")):
+        alt = _Candidate(env.plans.best(ctl.rule, env.w, 8, ctl.base_params), "best-horizon", cost_s=cost,
+                         horizon_s=_trapezoid(fast, offsets), feasible_next=True, times=fast)
+        d = ctl._admit(m, cur, [alt], "", True)
+        assert d.action == action, d.reason
+        assert "predicted out of memory within" in d.reason, d.reason
