@@ -322,8 +322,10 @@ def test_switch_lowers_ground_truth_step_time_compared_to_staying(env):
 def test_plan_predicted_to_fail_later_is_left_when_the_alternative_repays_before_the_failure(env):
     """The current plan runs next step but not at the later forecast points (its horizon time is
     infinite). The alternative is compared with it over the steps it still runs: taken when that
-    saving repays the transition, otherwise the current plan stays until the must-switch. (Before,
-    the infinite horizon made every saving look like model noise, and such a plan was never left.)"""
+    saving, plus min_gain of that time (model error), repays the transition, otherwise the current
+    plan stays until the must-switch. (Before, the infinite horizon made every saving look like
+    model noise, and such a plan was never left.) A free move (cost 0) to a plan that fits the
+    whole horizon is taken at once, even a slower one: the failure forecast is the memory model's."""
     from nereus.planner.online.controller import _Candidate, _trapezoid
 
     ctl = _ctl(env, _const(1.0))
@@ -332,12 +334,20 @@ def test_plan_predicted_to_fail_later_is_left_when_the_alternative_repays_before
     cur_times = (10.0, 10.0) + (math.inf,) * (len(offsets) - 2)
     fast = (5.0,) * len(offsets)
     cur = _Candidate(ctl.plan, "current", horizon_s=math.inf, feasible_next=True, times=cur_times)
-    before = _trapezoid(cur_times[:2], offsets[:2]) - _trapezoid(fast[:2], offsets[:2])
+    cur_before = _trapezoid(cur_times[:2], offsets[:2])
+    before = cur_before - _trapezoid(fast[:2], offsets[:2])
     assert before > 0
+    # the break-even transition: the saving before the failure plus min_gain of that time (model error)
+    even = (before + ctl.min_gain * cur_before) / (1 + ctl.margin)
     m = _metrics(env, 0, ctl.plan, gpus=8)
-    for cost, action in ((0.99 * before / (1 + ctl.margin), "switch"), (1.01 * before / (1 + ctl.margin), "stay")):
+    for cost, action in ((0.99 * even, "switch"), (1.01 * even, "stay")):
         alt = _Candidate(env.plans.best(ctl.rule, env.w, 8, ctl.base_params), "best-horizon", cost_s=cost,
                          horizon_s=_trapezoid(fast, offsets), feasible_next=True, times=fast)
         d = ctl._admit(m, cur, [alt], "", True)
         assert d.action == action, d.reason
         assert "predicted out of memory within" in d.reason, d.reason
+    slower = tuple(t * 1.05 for t in cur_times[:2]) + (5.0,) * (len(offsets) - 2)  # slower before, fits after
+    free = _Candidate(ctl.plan, "keep-layout", cost_s=0.0, horizon_s=_trapezoid(slower, offsets), feasible_next=True,
+                      times=slower)
+    d = ctl._admit(m, cur, [free], "", True)
+    assert d.action == "switch", d.reason

@@ -588,22 +588,30 @@ class Controller:
     def _admit_before_failure(self, m: StepMetrics, cur: _Candidate, best: _Candidate, regime_change: bool) -> Decision:
         """The current plan runs next step but is predicted to run out of memory later in the
         horizon, while ``best`` fits all of it. Both are compared over the steps the current plan
-        still runs: ``best`` is taken now if it saves more than ``min_gain`` and repays its
-        transition (x (1 + margin)) before then, with the usual hysteresis; otherwise the current
-        plan stays until the failure, where the must-switch moves it (a forecast failure that never
-        comes then costs nothing). Without this, the infinite horizon time made every saving look
-        like model noise, and a plan predicted to fail later was never left for a faster one (in
-        restart mode for 450 steps after the cluster grew, 12% slower than static)."""
+        still runs: ``best`` is taken now (with the usual hysteresis) when what it saves there, plus
+        the model's error margin (``min_gain`` of that time), exceeds its transition x (1 + margin):
+        a costly move waits for the failure, where the must-switch makes it (a forecast failure that
+        never comes then costs nothing). A free move (new knobs, same layout) to a plan that fits
+        the whole horizon is made at once, whatever it costs per step: the failure forecast is the
+        memory model's, the truth tends to fail sooner, and after a crash the raised memory reserve
+        may leave no plan predicted to fit. Without this, the infinite horizon time made every saving look like model noise, and
+        a plan predicted to fail later was never left for a faster one (in restart mode for 450
+        steps after the cluster grew, 12% slower than static)."""
         offsets = self._offsets(m.step)
         k = next((i for i, t in enumerate(cur.times) if not math.isfinite(t)), len(cur.times)) - 1
         cur_pre, best_pre = _trapezoid(cur.times[:k + 1], offsets[:k + 1]), _trapezoid(best.times[:k + 1], offsets[:k + 1])
         fails = offsets[k + 1] if k + 1 < len(offsets) else offsets[-1]
         saving = cur_pre - best_pre
-        if saving <= self.min_gain * cur_pre or saving <= best.cost_s * (1 + self.margin):
+        slack = self.min_gain * cur_pre
+        if best.cost_s == 0:
+            return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
+                                                  f"fits the whole horizon and costs no transition")
+        if saving + slack <= best.cost_s * (1 + self.margin):
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"current plan predicted out of memory within {fails} steps; it stays until "
-                                             f"then (before that the best alternative saves {saving:.1f}s, which does "
-                                             f"not repay {best.cost_s:.1f}s x (1 + {self.margin:g}))")
+                                             f"then (before that the best alternative saves {saving:.1f}s, which with "
+                                             f"{slack:.1f}s of model error does not repay {best.cost_s:.1f}s x "
+                                             f"(1 + {self.margin:g}))")
         if best.cost_s > 0 and not regime_change:
             key = best.plan.layout_key()
             n = self._streak[1] + 1 if self._streak[0] == key else 1
@@ -613,8 +621,8 @@ class Controller:
             if n < self.patience:
                 return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
         return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
-                                              f"fits the whole horizon and saves {saving:.1f}s before then > "
-                                              f"{best.cost_s:.1f}s x (1 + {self.margin:g})")
+                                              f"fits the whole horizon and saves {saving:.1f}s before then (+ "
+                                              f"{slack:.1f}s of model error) > {best.cost_s:.1f}s x (1 + {self.margin:g})")
 
     def _per_step(self, cur: _Candidate, c: _Candidate | None) -> float:
         if c is None or not math.isfinite(c.horizon_s):
