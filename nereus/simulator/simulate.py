@@ -390,7 +390,7 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
 
     global _FORKED
     # rough seconds of each on the 1,000-step, 1,024-GPU benchmark (benchmarks/simulate_speed.py)
-    cost = {"adaptive": 6.0, "adaptive-restart": 1.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
+    cost = {"adaptive": 6.0, "adaptive-restart": 3.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
             _PICKS: 1.0}
     groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
     load = [0.0] * len(groups)
