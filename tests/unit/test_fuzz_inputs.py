@@ -93,8 +93,10 @@ def test_the_fuzz_fails_a_reader_that_accepts_nan_or_inf(tmp_path, monkeypatch):
     from nereus.planner.cost import params
 
     monkeypatch.setattr(params, "_real", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool))
+    # 3x the usual budget: a damage must set NaN/inf on a field that only the finiteness check guards,
+    # and every new CostParams field spreads the damages thinner (200 cases stopped finding one)
     with pytest.raises(AssertionError, match=r"parsed object: \S+ = (nan|inf)"):
-        check_reader("params_json", tmp_path, n=CASES, phases=(Phase.generate,))
+        check_reader("params_json", tmp_path, n=3 * CASES, phases=(Phase.generate,))
 
 
 # ---- every CLI command that reads a file ------------------------------------------------------------
