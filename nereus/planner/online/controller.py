@@ -574,16 +574,25 @@ class Controller:
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon does not repay "
                                              f"{best.cost_s:.1f}s x (1 + {self.margin:g})")
-        if best.cost_s > 0 and not regime_change:
-            key = best.plan.layout_key()
-            n = self._streak[1] + 1 if self._streak[0] == key else 1
-            self._streak = (key, n)
-            if m.step - self._last_switch < self.min_dwell:
-                return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
-            if n < self.patience:
-                return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
+        held = self._hysteresis(m, cur, best, regime_change)
+        if held is not None:
+            return held
         return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
                                               f"x (1 + {self.margin:g})")
+
+    def _hysteresis(self, m: StepMetrics, cur: _Candidate, best: _Candidate, regime_change: bool) -> Decision | None:
+        """A worthwhile switch that costs time waits for ``min_dwell`` steps after the last one and
+        for the same winner ``patience`` steps in a row (not after a change of GPU count)."""
+        if best.cost_s <= 0 or regime_change:
+            return None
+        key = best.plan.layout_key()
+        n = self._streak[1] + 1 if self._streak[0] == key else 1
+        self._streak = (key, n)
+        if m.step - self._last_switch < self.min_dwell:
+            return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
+        if n < self.patience:
+            return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
+        return None
 
     def _admit_before_failure(self, m: StepMetrics, cur: _Candidate, best: _Candidate, regime_change: bool) -> Decision:
         """The current plan runs next step but is predicted to run out of memory later in the
@@ -612,14 +621,9 @@ class Controller:
                                              f"then (before that the best alternative saves {saving:.1f}s, which with "
                                              f"{slack:.1f}s of model error does not repay {best.cost_s:.1f}s x "
                                              f"(1 + {self.margin:g}))")
-        if best.cost_s > 0 and not regime_change:
-            key = best.plan.layout_key()
-            n = self._streak[1] + 1 if self._streak[0] == key else 1
-            self._streak = (key, n)
-            if m.step - self._last_switch < self.min_dwell:
-                return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
-            if n < self.patience:
-                return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
+        held = self._hysteresis(m, cur, best, regime_change)
+        if held is not None:
+            return held
         return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
                                               f"fits the whole horizon and saves {saving:.1f}s before then (+ "
                                               f"{slack:.1f}s of model error) > {best.cost_s:.1f}s x (1 + {self.margin:g})")
