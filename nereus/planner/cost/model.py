@@ -526,13 +526,10 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
                              {"weights": weights, "kv_cache": one_seq * kvg, "workspace": workspace},
                              gpu.usable_bytes, 0, (f"one {one_seq}-token sequence needs {one_seq * kvg / GiB:.2f} GiB "
                                                    f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
-    # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x)
-    grid = decode_grid(n, mean, p90, cap, total=w.sequences)
-    static = job.rollout.engine == "static"
-    if static:  # every row holds its slot and KV until the longest of the batch ends (the cap, at worst)
-        x_end = grid[-1][0]
+    # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x);
+    # a static batch holds every row's slot and KV until its longest ends (the cap, at worst)
+    if job.rollout.engine == "static":
         per_seq_peak = P + cap
-        grid = ((0.0, float(n)), (x_end, 0.0))
     else:
         per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
