@@ -107,6 +107,9 @@ class Plan:
     backend: str = ""
     extras: tuple[tuple[str, Any], ...] = field(default=())
     """Free-form extra figures (e.g. weight_sync_s, phase makespans) kept in the JSON."""
+    _num_gpus: int = field(init=False, repr=False, compare=False, default=0)
+    _layout_key: tuple = field(init=False, repr=False, compare=False, default=())
+    """Derived once in ``__post_init__``: the simulator and controller ask these millions of times."""
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]
@@ -118,6 +121,9 @@ class Plan:
             if prev != (s.first_gpu, s.gpus):
                 raise SpecError(f"plan: pool {s.pool} is [{prev[0]}, +{prev[1]}) for one model-stage and "
                                 f"[{s.first_gpu}, +{s.gpus}) for {s.name}")
+        object.__setattr__(self, "_num_gpus", max((s.first_gpu + s.gpus for s in self.stages), default=0))
+        object.__setattr__(self, "_layout_key", tuple(
+            (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero) for s in self.stages))
 
     def __iter__(self) -> Iterator[StagePlacement]:
         return iter(self.stages)
@@ -134,12 +140,11 @@ class Plan:
 
     @property
     def num_gpus(self) -> int:
-        return max(s.first_gpu + s.gpus for s in self.stages)
+        return self._num_gpus
 
     def layout_key(self) -> tuple:
         """What a transition must change: pools and (tp, pp, dp, zero) of every model-stage."""
-        return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero)
-                     for s in self.stages)
+        return self._layout_key
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "step_time_s": self.step_time_s, "solve_s": self.solve_s, "gap": self.gap,

@@ -279,6 +279,11 @@ def _phases(roles: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return (("actor/generation",), tuple(exp), tuple(train))
 
 
+@lru_cache(maxsize=64)
+def _model_stages(roles: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(ms for phase in _phases(roles) for ms in phase)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     algorithm: str
@@ -317,7 +322,7 @@ class JobSpec:
 
     def model_stages(self) -> tuple[str, ...]:
         """Every model-stage of one RL step, in phase order."""
-        return tuple(ms for phase in self.phases() for ms in phase)
+        return _model_stages(self.roles)
 
     def phases(self) -> tuple[tuple[str, ...], ...]:
         """Model-stages that may run at the same time: generation, experience preparation, training."""

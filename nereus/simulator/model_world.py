@@ -61,7 +61,7 @@ class ModelWorld:
         self._transition_fn = transition_fn
         self._times: dict[tuple, PlanTimes] = {}
         self._noise: dict[int, np.ndarray] = {}
-        self._trans = LayoutChangePrices(lambda a, b: self.transition_slowdown * self._planned_makespan(a, b))
+        self.prices = LayoutChangePrices(lambda a, b: self.transition_slowdown * self._planned_makespan(a, b))
         self._stages = job.model_stages()
 
     def times(self, plan: Plan, w: Workload) -> PlanTimes:
@@ -92,7 +92,7 @@ class ModelWorld:
 
     def transition_s(self, a: Plan, b: Plan) -> float:
         """Blocking time of the transition a -> b: the transition planner's makespan, slowed down."""
-        return self._trans(a, b)
+        return self.prices(a, b)
 
     def _planned_makespan(self, a: Plan, b: Plan) -> float:
         if self._transition_fn is not None:
@@ -104,6 +104,3 @@ class ModelWorld:
             return float(transition_cost(a, b, self.cluster, self.job))
         return float(plan_transition(self.job, self.cluster, a, b, scheduler="greedy", materialize=False).makespan_s)
 
-    def known_transition(self, a: Plan, b: Plan) -> float | None:
-        """The transition time if already computed (or free), else None."""
-        return self._trans.known(a, b)

@@ -64,12 +64,45 @@ def usable_steps(plans: list[Plan], gpus: np.ndarray, used: dict[int, set[int]] 
     return out
 
 
-def step_time_matrix(gt: GroundTruth, plans: list[Plan], steps: list[np.ndarray], n: int) -> np.ndarray:
-    """[steps, plans] ground-truth seconds (inf where unusable or out of memory)."""
+def step_time_matrix(gt: GroundTruth, plans: list[Plan], steps: list[np.ndarray], n: int,
+                     workers: int = 1) -> np.ndarray:
+    """[steps, plans] ground-truth seconds (inf where unusable or out of memory). ``workers`` > 1
+    splits the trace's blocks of steps between that many forked processes (the truth is a pure
+    function of plan and step, so the matrix is the same; the truth caches a model-stage per block,
+    which many plans share, so blocks split the work and plans would repeat it)."""
     out = np.full((n, len(plans)), np.inf)
+    if workers > 1 and n > gt.block:
+        import multiprocessing as mp
+
+        global _SCORING
+        blocks = np.arange(n) // gt.block
+        _SCORING = (gt, plans, [(s, blocks[s]) for s in steps], workers)
+        try:
+            with mp.get_context("fork").Pool(workers) as pool:
+                for cols in pool.imap_unordered(_score_share, range(workers)):
+                    for k, idx, col in cols:
+                        out[idx, k] = col
+        finally:
+            _SCORING = ()
+        return out
     for k, plan in enumerate(plans):
         if len(steps[k]):
             out[steps[k], k] = gt.step_times(plan, steps[k])
+    return out
+
+
+_SCORING: tuple = ()
+"""What ``step_time_matrix``'s forked workers inherit (set just before the fork)."""
+
+
+def _score_share(w: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Worker ``w``'s share: every plan on the blocks b with b % workers == w."""
+    gt, plans, steps, workers = _SCORING
+    out = []
+    for k, (idx, blk) in enumerate(steps):
+        mine = idx[blk % workers == w]
+        if len(mine):
+            out.append((k, mine, gt.step_times(plans[k], mine)))
     return out
 
 
@@ -77,11 +110,14 @@ def edge_matrix(gt: GroundTruth, plans: list[Plan], extra: list[int], edge_budge
     """[from, to] transition seconds; inf where the pair is not an edge (see the module docstring)."""
     k = len(plans)
     trans = np.full((k, k), np.inf)
-    for i, a in enumerate(plans):
-        for j, b in enumerate(plans):
-            t = gt.known_transition(a, b)
-            if t is not None:
-                trans[i, j] = t
+    index: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plans):
+        index.setdefault(p.layout_key(), []).append(i)
+    for rows in index.values():  # the same layout: free
+        trans[np.ix_(rows, rows)] = 0.0
+    for (ka, kb), t in gt.prices.priced().items():  # every pair priced so far (not k^2 look-ups)
+        if ka in index and kb in index:
+            trans[np.ix_(index[ka], index[kb])] = t
     pairs = [(i, j) for j in extra for i in range(k) if i != j and plans[i].num_gpus <= plans[j].num_gpus]
     pairs += [(j, i) for j in extra for i in range(k) if i != j and plans[i].num_gpus == plans[j].num_gpus]
     pairs.sort(key=lambda p: (max(plans[p[0]].num_gpus, plans[p[1]].num_gpus), p))

@@ -270,9 +270,10 @@ def solve_grid(w: Workload, ratio: float = SOLVE_BUCKET_RATIO) -> Workload:
 
 def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult],
                 which: Iterable[str], params: CostParams, picked: list[Plan] | None = None,
-                picked_s: float = 0.0) -> dict[str, PolicyResult]:
+                picked_s: float = 0.0, workers: int = 1) -> dict[str, PolicyResult]:
     """The offline policies over the online ones' ``results``; ``picked``: ``offline_picks`` solved
-    already (``picked_s`` seconds, counted in their wall time), else solved here."""
+    already (``picked_s`` seconds, counted in their wall time), else solved here; ``workers``:
+    processes that score the candidates."""
     t0 = time.perf_counter() - picked_s
     which = list(which)
     if picked is None:
@@ -286,7 +287,7 @@ def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, r
         cands = offline.complete_families(cands, counts, scale_plan)
         extra = extra + list(range(n0, len(cands)))
     steps = offline.usable_steps(cands, gpus, used)
-    times = offline.step_time_matrix(gt, cands, steps, len(trace))
+    times = offline.step_time_matrix(gt, cands, steps, len(trace), workers=workers)
     # every plan change a policy made is an edge of the graph, also one made by a crash and restart
     # (priced as a live transition): each policy's sequence of plans is then a path the DP can take
     for r in results:
@@ -374,7 +375,7 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     if wanted:
         picked_plans, picked_s = picked if picked is not None else (None, 0.0)
         out.update(run_offline(job, trace, gt, plans, list(out.values()), wanted, params or CostParams(),
-                               picked_plans, picked_s))
+                               picked_plans, picked_s, workers=workers))
     return {p: out[p] for p in policies}
 
 
@@ -402,9 +403,12 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
         groups[k] += unit
         load[k] += sum(cost.get(n, 1.0) for n in unit)
     _FORKED = (job, cluster, trace, gt, plans, kw)
+    done: dict[str, Any] = {}
     try:
         with mp.get_context("fork").Pool(len(groups)) as pool:
-            done = dict(r for rs in pool.imap_unordered(_forked_group, [g for g in groups if g]) for r in rs)
+            for rs, priced in pool.imap_unordered(_forked_group, [g for g in groups if g]):
+                done.update(rs)
+                gt.prices.merge(priced)  # the offline policies re-price the online ones' switches otherwise
     finally:
         _FORKED = ()
     return {n: done[n] for n in names}
@@ -415,7 +419,8 @@ _PICKS = "offline picks"
 its result is (plans, seconds)."""
 
 
-def _forked_group(names: list[str]) -> list[tuple[str, Any]]:
+def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float]]:
+    """(each policy's result, the layout changes the truth priced in this process)."""
     job, cluster, trace, gt, plans, kw = _FORKED
     out: list[tuple[str, Any]] = []
     for name in names:
@@ -428,7 +433,7 @@ def _forked_group(names: list[str]) -> list[tuple[str, Any]]:
             out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
         except NereusError as e:
             out.append((name, _not_run(name, len(trace), str(e))))
-    return out
+    return out, gt.prices.priced()
 
 
 def _bar(enabled: bool, total: int, desc: str):

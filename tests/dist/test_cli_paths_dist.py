@@ -64,6 +64,7 @@ def test_demo_through_the_cli_runs_two_steps_and_writes_its_figures(tmp_path):
     r = run(["demo", "--steps", "2", "--world", "2", "--policy", "adaptive", "--out-dir", str(tmp_path),
              "--json", str(out)])
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr[-2000:]
     d = json.loads(out.read_text())
     b = d["budgets"][0]
     assert d["steps"] == 2 and set(b["summary"]) == {"adaptive"}  # adaptive only

@@ -55,8 +55,9 @@ def test_estimate_takes_what_real_jobs_set(tmp_path):
         r = subprocess.run([sys.executable, "-m", "nereus.cli", "estimate", "--job", "examples/ppo-8b.yaml", "--cluster",
                             "examples/cluster-h100-4n.yaml", "--model-stage", stage, "--dp", dp, "--recompute",
                             "--json", str(out), *extra], capture_output=True, text=True)
-        assert r.returncode in (0, 2), r.stderr
-        return json.loads(out.read_text())
+        d = json.loads(out.read_text())
+        assert r.returncode == (0 if d["fits"] else 2), (r.returncode, d["fits"], r.stderr)  # the verdict is the exit
+        return d
 
     base = run()
     sp = run("--sp", "2")

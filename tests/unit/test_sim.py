@@ -49,9 +49,15 @@ def test_no_online_policy_beats_the_oracle(results):
     assert checked or all(any(r.ooms) or any(r.dropped) for n, r in results.items() if n not in ("oracle", "hindsight"))
 
 
-def test_adaptive_not_worse_than_static_by_more_than_its_transitions(results):
+def test_adaptive_beats_static_with_its_transitions_paid(results):
+    """On lengths that grow 6x and a GPU jump, the controller's run, every transition and crash
+    included, is shorter than static's, and it completes every step (SIMULATED truth)."""
     a, s = results["adaptive"], results["static"]
-    assert a.total_s <= s.total_s + sum(a.transition_s) + 1e-6, (a.to_dict(), s.to_dict())
+    d = a.to_dict()
+    assert d["transitions"] >= 1 and d["transition_s"] > 0
+    assert a.total_s == pytest.approx(np.nansum(a.step_s) + d["transition_s"] + d["restart_s"])
+    assert not any(a.dropped)
+    assert a.total_s < 0.9 * s.total_s, (d, s.to_dict())
 
 
 def test_summary_records_and_counts(results):

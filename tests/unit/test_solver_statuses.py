@@ -114,7 +114,8 @@ def test_a_free_switch_to_the_optimum_is_proven_optimal_and_charged_nothing():
     p, opt, cur = _greedy_as_current()
     s = solve(replace(p, current_plan=cur, transition_cost=lambda a, b: 0.0, amortize_steps=10.0), backend="cpsat",
               workers=1)
-    assert s.status == "OPTIMAL" and s.gap == 0.0 and s.plan.status == "OPTIMAL"
+    assert s.status == "OPTIMAL" and s.plan.status == "OPTIMAL"
+    assert s.gap == pytest.approx((s.objective - s.bound) / s.objective, abs=1e-12) and 0 <= s.gap < 1e-6
     assert s.objective == pytest.approx(opt.objective, rel=1e-9) and dict(s.plan.extras)["transition_s"] == 0.0
 
 
@@ -141,6 +142,7 @@ def test_the_reported_bound_is_the_backends_not_the_objective(monkeypatch):
     s = solve(random_instance(1), backend="cpsat", workers=1)
     assert s.status == "OPTIMAL" and s.bound < s.objective
     assert s.bound == pytest.approx(s.objective * (1 - 1e-7), rel=1e-8)
+    assert s.gap == pytest.approx(1e-7, rel=0.05) and s.plan.gap == s.gap  # the gap follows the bound
 
 
 def test_a_plain_solve_reports_its_wall_time_and_gap_in_the_plan_too():
@@ -150,7 +152,8 @@ def test_a_plain_solve_reports_its_wall_time_and_gap_in_the_plan_too():
     s = solve(random_instance(1), backend="cpsat", workers=1)
     elapsed = time.perf_counter() - t0
     assert 0 < s.wall_s <= elapsed and s.plan.solve_s == s.wall_s
-    assert s.plan.gap == s.gap == 0.0 and s.plan.status == s.status == "OPTIMAL"
+    assert s.plan.status == s.status == "OPTIMAL" and s.plan.gap == s.gap
+    assert s.gap == pytest.approx((s.objective - s.bound) / s.objective, abs=1e-12) and 0 <= s.gap < 1e-6
     assert s.plan.backend == s.backend == "cpsat"
 
 

@@ -79,10 +79,9 @@ def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, wo
             wall_s=time.perf_counter() - t0, backend=backend, message=why)
     check_structure(a, problem.cluster.num_gpus)  # a backend bug must not become a plan
     obj = objective(t, a)[0]
-    if status == "OPTIMAL":
-        bound, gap = min(bound, obj) if math.isfinite(bound) else obj, 0.0
-    else:
-        gap = max(0.0, (obj - bound) / obj) if math.isfinite(bound) and obj > 0 else math.nan
+    if status == "OPTIMAL":  # proven within the backend's tolerance: the gap is what its bound says
+        bound = min(bound, obj) if math.isfinite(bound) else obj
+    gap = max(0.0, (obj - bound) / obj) if math.isfinite(bound) and obj > 0 else math.nan
     firsts = _pinned_firsts(placement_skeleton(problem, t), a)
     wall = time.perf_counter() - t0
     plan = to_plan(t, a, problem.cluster, status=status, solve_s=wall, gap=gap, backend=backend, firsts=firsts)

@@ -73,11 +73,15 @@ class LayoutChangePrices:
             hit = self._seen[key] = float(self._price(a, b))
         return hit
 
-    def known(self, a: Plan, b: Plan) -> float | None:
-        """The price if already computed (or free), else None."""
-        if a.layout_key() == b.layout_key():
-            return 0.0
-        return self._seen.get((a.layout_key(), b.layout_key()))
+    def priced(self) -> dict[tuple, float]:
+        """Every price computed so far, by (layout key, layout key): what a forked worker hands back."""
+        return dict(self._seen)
+
+    def merge(self, priced: dict[tuple, float]) -> None:
+        """Take prices computed elsewhere (a forked worker's ``priced()``; the same pure function of the
+        pair, so a price already here is kept)."""
+        for key, t in priced.items():
+            self._seen.setdefault(key, float(t))
 
 
 def plan_key(plan: Plan) -> tuple:
@@ -119,7 +123,7 @@ class GroundTruth:
         self._stage: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._coeffs: dict[tuple, tuple[np.ndarray, float]] = {}
         self._plans: dict[tuple, dict] = {}
-        self._trans = LayoutChangePrices(self._live_transition_s)
+        self.prices = LayoutChangePrices(self._live_transition_s)
         self._step_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # ---- lengths -------------------------------------------------------------------------------
@@ -310,10 +314,8 @@ class GroundTruth:
     # ---- transitions and restarts ----------------------------------------------------------------
     def transition_s(self, a: Plan, b: Plan) -> float:
         """Blocking seconds of a live switch a -> b (0 for the same layout)."""
-        return self._trans(a, b)
+        return self.prices(a, b)
 
-    def known_transition(self, a: Plan, b: Plan) -> float | None:
-        return self._trans.known(a, b)
 
     def _live_transition_s(self, a: Plan, b: Plan) -> float:
         if self.schedule_fn is None:
