@@ -36,7 +36,8 @@ MODULES: dict[str, dict] = {
               "tests": ["tests/unit/test_executor_apply.py", "tests/unit/test_executor_verify.py",
                         "tests/unit/test_executor_apply_paths.py", "tests/unit/test_executor_merge.py"]},
     "controller": {"path": "nereus/planner/online/controller.py", "isolation": "fork",
-                   "tests": ["tests/unit/test_controller_thresholds.py", "tests/unit/test_controller_api.py",
+                   "tests": ["tests/unit/test_controller_thresholds.py", "tests/unit/test_controller_decisions.py",
+                             "tests/unit/test_controller_api.py",
                              "tests/unit/test_controller_restart.py", "tests/unit/test_controller_rollback.py",
                              "tests/unit/test_shape_calibration.py"]},
     "solve": {"path": "nereus/planner/solver/solve.py", "isolation": "fork",
@@ -50,7 +51,7 @@ MODULES: dict[str, dict] = {
                                  for i in range(10, 30)]},
     "cost": {"path": "nereus/planner/cost/model.py", "isolation": "fork",
              "tests": ["tests/unit/test_cost.py", "tests/unit/test_cost_mechanisms.py",
-                       "tests/unit/test_cost_formulas.py"]},
+                       "tests/unit/test_cost_formulas.py", "tests/unit/test_cost_terms.py"]},
 }
 """Module -> the file mutated, its fast unit tests (files that do not exist are skipped; ``deselect``:
 slow parametrisations left out, 10 of the solver's 30 random brute-force instances are kept), and
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/mutation.json"))
     ap.add_argument("--logs", help="directory for mutmut's output per module")
+    ap.add_argument("--min-score", type=float, default=0.8,
+                    help="exit 1 when a module run now scores below this (the goal: 80%% of non-equivalent killed)")
     ap.add_argument("--source-ref", metavar="REF",
                     help="mutate the package as committed at REF (e.g. HEAD), with the working tree's tests")
     args = ap.parse_args(argv)
@@ -180,12 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.json)
     results = json.loads(out_path.read_text()).get("modules", {}) if out_path.exists() else {}
+    below = []
     for m in mods:
         res = run_module(m, args.sample, args.seed, args.max_children, log_dir, args.source_ref)
         results[m] = res
         if "error" in res:
             print(f"{m:12s} {res['path']}: ERROR {res['error']}", flush=True)
+            below.append(m)
         else:
+            if res["score"] is None or res["score"] < args.min_score:
+                below.append(m)
             how = f"a sample of {res['total']} of {res['mutants']} (seed {res['seed']})" if res["sampled"] else \
                 f"all {res['total']}"
             print(f"{m:12s} {res['path']}: score {res['score']:.0%} = {res['killed']} killed / ({res['total']} - "
@@ -194,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"tool": "mutmut " + _version(), "sample": args.sample, "seed": args.seed,
                                         "modules": results}, indent=2) + "\n")
+    if below:
+        print(f"below {args.min_score:.0%} (or failed): {', '.join(below)}", file=sys.stderr)
+        return 1
     return 0
 
 
