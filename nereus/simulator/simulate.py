@@ -339,7 +339,7 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     if trace.max_gpus > cluster.num_gpus:
         raise SpecError(f"trace {trace.name} asks for {trace.max_gpus} GPUs; cluster has {cluster.num_gpus}")
     gt = gt or GroundTruth(job, cluster, trace, seed=seed, schedule_fn=TransitionSchedules(job, cluster))
-    plans = PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed, candidates=SIM_CANDIDATES)
+    plans = PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed, candidates=SIM_CANDIDATES, deterministic=True)
     online = [p for p in policies if p in ONLINE]
     audited = "adaptive" if "adaptive" in online else (online[0] if online else None)
     runs = len(trace) * (len(online) + ("static-naive" in policies))

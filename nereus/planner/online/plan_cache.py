@@ -92,8 +92,12 @@ def static_rule(initial: Plan) -> LayoutRule:
 
 class PlanCache:
     def __init__(self, job: JobSpec, cluster: ClusterSpec, *, time_limit_s: float = 5.0, seed: int = 0,
-                 backend: str = "cpsat", solve_fn: Solver | None = None, candidates: Any = None) -> None:
+                 backend: str = "cpsat", solve_fn: Solver | None = None, candidates: Any = None,
+                 deterministic: bool = False) -> None:
         self.job, self.cluster = job, cluster
+        self.deterministic = deterministic
+        """Solve with CP-SAT's deterministic time limit (the simulator: the same plans on an idle or a
+        loaded machine; see ``solve``)."""
         self.candidates = candidates
         """Optional ``CandidateSettings`` restricting the configs the solver enumerates (e.g. what an
         executor supports)."""
@@ -150,7 +154,8 @@ class PlanCache:
                                   constraints=rule.constraints(gpus),
                                   **({"candidates": self.candidates} if self.candidates is not None else {}))
             fn = self._solve_fn or solve
-            sol = fn(problem, backend=self.backend, time_limit_s=self.time_limit_s, workers=1, seed=self.seed)
+            sol = fn(problem, backend=self.backend, time_limit_s=self.time_limit_s, workers=1, seed=self.seed,
+                     **({"deterministic": True} if self.deterministic else {}))
         except InfeasibleError as e:
             self.last_message = str(e)
             return None

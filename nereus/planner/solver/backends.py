@@ -16,8 +16,11 @@ def _cpsat_scales(m: LinModel, t_hi: float) -> dict[str, float]:
     return {"time": TICKS / max(t_hi, 1e-9), "mem": 1.0, "count": 1.0, "bool": 1.0}
 
 
-def solve_cpsat(m: LinModel, t_hi: float, time_limit_s: float, workers: int, seed: int):
-    """CP-SAT: (status name, value function, objective bound in seconds, objective in seconds)."""
+def solve_cpsat(m: LinModel, t_hi: float, time_limit_s: float, workers: int, seed: int, deterministic: bool = False):
+    """CP-SAT: (status name, value function, objective bound in seconds, objective in seconds).
+    ``deterministic``: ``time_limit_s`` is CP-SAT's deterministic time (work counted, not seconds
+    elapsed), so with one worker a solve cut by its limit stops at the same point on an idle or a
+    loaded machine and returns the same plan; a wall limit of 20x + 30 s stays as a safety net."""
     from ortools.sat.python import cp_model
 
     sc = _cpsat_scales(m, t_hi)
@@ -45,7 +48,11 @@ def solve_cpsat(m: LinModel, t_hi: float, time_limit_s: float, workers: int, see
     for v, val in m.hint.items():
         model.add_hint(xs[v], int(round(val)))
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    if deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s)
+        solver.parameters.max_time_in_seconds = 20.0 * float(time_limit_s) + 30.0
+    else:
+        solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = int(seed)
     # OR-Tools 9.15's inclusion presolve returned a wrong "OPTIMAL" on this model (a 64-GPU 70B

@@ -28,7 +28,8 @@ def _infeasible(problem: PlanProblem, backend: str, t0: float, why: str = "") ->
                         wall_s=time.perf_counter() - t0, backend=backend, message=why or explain_infeasible(problem))
 
 
-def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: float, workers: int, seed: int):
+def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: float, workers: int, seed: int,
+                 deterministic: bool = False):
     """(status, assignment or None, bound seconds)."""
     hint = greedy(problem, t)
     if backend == "greedy":
@@ -48,7 +49,7 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     if backend == "cpsat":
         from nereus.planner.solver.backends import solve_cpsat
 
-        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed)
+        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed, deterministic)
     else:
         from nereus.planner.solver.backends import solve_pulp
 
@@ -62,11 +63,11 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
 
 
 def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,
-                     t0: float) -> PlanSolution:
+                     t0: float, deterministic: bool = False) -> PlanSolution:
     t = build_tables(problem)
     if any(not opts for opts in t.options):
         return _infeasible(problem, backend, t0)
-    status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed)
+    status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed, deterministic)
     if a is None and backend == "greedy":  # a heuristic miss proves nothing
         return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
                             wall_s=time.perf_counter() - t0, backend=backend,
@@ -100,19 +101,21 @@ def _pinned_firsts(sk, a) -> tuple[int, ...] | None:
 
 
 def solve(problem: PlanProblem, backend: str = "cpsat", time_limit_s: float = 10.0, workers: int = 1,
-          seed: int = 0) -> PlanSolution:
-    """Best memory-feasible plan for ``problem`` (see README.md for the formulation)."""
+          seed: int = 0, deterministic: bool = False) -> PlanSolution:
+    """Best memory-feasible plan for ``problem`` (see README.md for the formulation).
+    ``deterministic`` (CP-SAT): the time limit counts the solver's work, not seconds, so the same
+    inputs give the same plan however loaded the machine is (``solve_cpsat``)."""
     if backend not in BACKENDS:
         raise SpecError(f"unknown solver backend {backend!r}; choose one of {BACKENDS}")
     t0 = time.perf_counter()
-    sol = _solve_step_time(problem, backend, time_limit_s, workers, seed, t0)
+    sol = _solve_step_time(problem, backend, time_limit_s, workers, seed, t0, deterministic)
     if problem.current_plan is None or problem.amortize_steps <= 0:
         return sol
-    return _transition_aware(problem, sol, backend, time_limit_s, workers, seed, t0)
+    return _transition_aware(problem, sol, backend, time_limit_s, workers, seed, t0, deterministic)
 
 
 def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, time_limit_s: float, workers: int,
-                      seed: int, t0: float) -> PlanSolution:
+                      seed: int, t0: float, deterministic: bool = False) -> PlanSolution:
     """Objective += transition_cost(current, new) / amortize_steps, over the candidate plans: the
     step-time optimum, the current pools with re-chosen configs, and the current plan itself.
     The step-time bound stays a valid lower bound (transition costs are >= 0)."""
@@ -122,7 +125,7 @@ def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, ti
     try:
         fixed = replace(problem, current_plan=None, amortize_steps=0.0,
                         constraints=replace(problem.constraints, fixed_placement=cur))
-        s2 = _solve_step_time(fixed, backend, time_limit_s, workers, seed, t0)
+        s2 = _solve_step_time(fixed, backend, time_limit_s, workers, seed, t0, deterministic)
         if s2.plan is not None:
             cands.append(s2.plan)
     except SpecError:
