@@ -20,6 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--sp", type=pos_int, default=1, help="Ulysses sequence parallelism (taken from dp; verl's "
                                                             "ulysses_sequence_parallel_size)")
+    p.add_argument("--cp", type=pos_int, default=1, help="context parallelism, ring attention (taken from dp; "
+                                                            "Megatron's context_parallel_size)")
     p.add_argument("--token-budget", type=pos_int, help="tokens per micro-batch per GPU (verl's use_dynamic_bsz + "
                                                          "ppo_max_token_len_per_gpu) instead of --micro-batch")
     p.add_argument("--offload", action="store_true", help="optimizer state in host memory (out and back over PCIe "
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.response_len_mean or args.response_len_max:
         w = w.with_lengths(mean=args.response_len_mean, max_=args.response_len_max)
     cfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
-                         recompute=args.recompute, sp=args.sp, token_budget=args.token_budget or 0)
+                         recompute=args.recompute, sp=args.sp, cp=args.cp, token_budget=args.token_budget or 0)
     e = estimate(job, cluster, args.model_stage, cfg, w, params)
     if args.offload:
         e = with_offload(e, params)

@@ -30,6 +30,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="any (solver chooses), colocated (verl-like), disaggregated (OpenRLHF-like)")
     p.add_argument("--offload", action="store_true",
                    help="let trainable models keep optimizer state in host memory (at its transfer time)")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="let training and inference split long sequences by context parallelism (cp 2 and 4, "
+                        "ring attention) besides Ulysses sp")
     p.add_argument("--sweep", metavar="KEY=START:STOP:STEP",
                    help=f"sweep one knob ({', '.join(SWEEP_KEYS)}); STEP is xK (multiply) or +K (add), "
                         "e.g. response-len-mean=1024:32768:x2 (the cap keeps the job's max/mean ratio)")
@@ -88,7 +91,8 @@ def _problem(args, job, cluster, params, *, mean=None, max_=None, gpus=None):
         cluster = cluster.with_gpus(int(gpus))
     return PlanProblem(job=job, cluster=cluster, workload=w, params=params,
                        constraints=PlanConstraints(placement=args.placement),
-                       candidates=CandidateSettings(offload=(False, True) if args.offload else (False,)))
+                       candidates=CandidateSettings(offload=(False, True) if args.offload else (False,),
+                                                    cps=(1, 2, 4) if args.context_parallel else (1,)))
 
 
 def _solve(args, problem):
@@ -160,7 +164,8 @@ def plan_table(problem, plan):
         cfg = s.config
         opts = "" if s.stage == "generation" else f"mb{cfg.micro_batch}" + \
             (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "") + \
-            (" offload" if s.name in offloaded else "")
+            (f" sp{cfg.sp}" if cfg.sp > 1 else "") + (f" cp{cfg.cp}" if cfg.cp > 1 else "") + \
+            (f" tokens{cfg.token_budget}" if cfg.token_budget else "") + (" offload" if s.name in offloaded else "")
         t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
                   f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
                   f"{s.mem_gib:.1f} / {cap:.1f}")

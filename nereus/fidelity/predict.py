@@ -237,7 +237,7 @@ def _training(row: Row, gpu: GPUSpec, p: CostParams) -> float:
         mb = max(1, mb // _int(row, "pp_microbatches"))
     rec = row.get("recompute", "none")
     zero = 3 if "fsdp" in (row.get("sharding") or "") or "full_shard" in (row.get("sharding") or "") else 1
-    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp * cp, sp=cp, micro_batch=mb, zero=zero, recompute=rec == "full")
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp * cp, cp=cp, micro_batch=mb, zero=zero, recompute=rec == "full")
     cluster = _replica_cluster(gpu_run, gpus)
     w = Workload(sequences=max(1, int(round(gb))), prompt_len=max(1, seq - 1), response_len_mean=1, response_len_max=1)
     e = estimate(_one_model_job(model), cluster, "actor/training", cfg, w, p, options=StageOptions(fp8_linear=fp8))

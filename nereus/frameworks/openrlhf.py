@@ -89,6 +89,9 @@ def parallel_gaps(plan: Plan) -> list[str]:
     if _distinct(ds, "tp"):
         out.append(f"--ds.tensor_parallel_size is one value for every DeepSpeed model; the plan uses "
                    f"{_listing(ds, 'tp', 'tp')}")
+    if _distinct(ds, "cp"):
+        out.append(f"--ds.ring_attn_size is one value for every DeepSpeed model; the plan uses "
+                   f"{_listing(ds, 'cp', 'cp')}")
     out += [f"{s.name} uses tp {s.config.tp} with ZeRO-3: DeepSpeed AutoTP training works with ZeRO stages 0-2"
             for s in train if s.config.tp > 1 and s.config.zero > 2]
     if _distinct(train, "micro_batch"):
@@ -243,6 +246,8 @@ def flags(problem, plan: Plan, *, dynamic_bsz: bool = False) -> tuple[str, ...]:
     out += ["--vllm.num_engines", str(g.config.dp), "--vllm.tensor_parallel_size", str(g.config.tp),
             "--vllm.gpu_memory_utilization", f"{generation_memory_fraction(job, cluster, plan, w, problem.params):.2f}",
             "--ds.zero_stage", str(actor.config.zero), "--ds.tensor_parallel_size", str(actor.config.tp)]
+    if getattr(actor.config, "cp", 1) > 1:  # OpenRLHF's ring attention is context parallelism
+        out += ["--ds.ring_attn_size", str(actor.config.cp)]
     a_inf = plan.stage("actor/inference")
     if dynamic_bsz or packs_tokens(plan):
         def per_gpu(s) -> str:  # OpenRLHF packs max_tokens_per_gpu x AutoTP size tokens into a micro-batch

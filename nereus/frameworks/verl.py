@@ -62,8 +62,14 @@ def engine_gaps(plan: Plan, engine: str) -> list[str]:
                 f"(use_distributed_optimizer, ZeRO-1)" for s in shared if s.name in TRAINABLE_UNITS and s.config.zero > 1]
         out += [f"{s.name} uses Ulysses sequence parallelism {_sp(s)}: verl's Megatron engine splits sequences by "
                 f"context parallelism instead" for s in shared if _sp(s) > 1]
+        if len({_cp(s) for s in shared}) > 1:
+            used = ", ".join(f"{s.name} cp{_cp(s)}" for s in shared)
+            out.append(f"{used}: verl's Megatron engine has one context_parallel_size for actor, ref and critic")
     else:
         for s in shared:
+            if _cp(s) > 1:
+                out.append(f"{s.name} uses context parallelism {_cp(s)}: verl's FSDP engine splits sequences with "
+                           f"Ulysses (ulysses_sequence_parallel_size) instead")
             if s.config.tp > 1:
                 out.append(f"{s.name} uses tp {s.config.tp}: verl's FSDP engine has no tensor parallelism "
                            f"(ulysses_sequence_parallel_size splits sequences, not weights)")
@@ -77,6 +83,10 @@ def engine_gaps(plan: Plan, engine: str) -> list[str]:
 
 def _sp(s) -> int:
     return getattr(s.config, "sp", 1)
+
+
+def _cp(s) -> int:
+    return getattr(s.config, "cp", 1)
 
 
 def gaps(plan: Plan, engine: str) -> list[str]:
@@ -101,7 +111,7 @@ def candidates(base, engine: str) -> list[tuple[str, object]]:
     pins = tuple((n, 1, 1) for n in SHARED if n.split("/")[0] in roles)
     return [("fsdp, all models on every GPU",
              replace(base, constraints=PlanConstraints(placement="colocated", fixed_tp_pp=pins),
-                     candidates=replace(cs, zeros=(3,))))]
+                     candidates=replace(cs, zeros=(3,), cps=(1,))))]
 
 
 def equalize(problem, plan: Plan) -> list[tuple[str, object]]:
@@ -186,7 +196,8 @@ def _engine_keys(prefix: str, s, engine: str, offload: bool) -> list[tuple[str, 
     model = "actor_rollout_ref.model" if prefix.startswith("actor_rollout_ref") else "critic.model"
     if engine == "megatron":
         out = [(f"{prefix}.megatron.tensor_model_parallel_size", str(c.tp)),
-               (f"{prefix}.megatron.pipeline_model_parallel_size", str(c.pp))]
+               (f"{prefix}.megatron.pipeline_model_parallel_size", str(c.pp)),
+               (f"{prefix}.megatron.context_parallel_size", str(_cp(s)))]
         if trainable:
             out += [(f"{prefix}.megatron.use_distributed_optimizer", flag(c.zero >= 1)),
                     (f"{prefix}.megatron.optimizer_offload", flag(offload))]

@@ -441,9 +441,15 @@ class ParallelConfig:
     token_budget: int = 0
     """Tokens per micro-batch per GPU (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``):
     sequences are packed up to this many tokens; 0 = fixed ``micro_batch`` sequences."""
+    cp: int = 1
+    """Context parallelism (Megatron's ``context_parallel_size``, ring attention) of a training or
+    inference stage: each sequence is split over ``cp`` of the ``dp`` ranks (cp divides dp;
+    parameters are laid out as for dp, gradients reduced over all of them), and every layer passes
+    its key/value chunk around the ring of cp ranks, overlapped with attention. One way of splitting
+    sequences at a time: cp and sp are not both above 1."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch", "sp"):
+        for f in ("tp", "pp", "dp", "micro_batch", "sp", "cp"):
             _positive("parallel config", f, getattr(self, f))
         _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int):
@@ -453,6 +459,11 @@ class ParallelConfig:
         if self.dp % self.sp:
             raise SpecError(f"parallel config: sp({self.sp}) must divide dp({self.dp}) (sequence parallel ranks "
                             f"are taken from the data-parallel ones)")
+        if self.dp % self.cp:
+            raise SpecError(f"parallel config: cp({self.cp}) must divide dp({self.dp}) (context parallel ranks "
+                            f"are taken from the data-parallel ones)")
+        if self.sp > 1 and self.cp > 1:
+            raise SpecError(f"parallel config: sp({self.sp}) and cp({self.cp}) both split sequences; use one of them")
 
     @property
     def gpus(self) -> int:
@@ -460,6 +471,11 @@ class ParallelConfig:
 
     def label(self) -> str:
         return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+
+    @property
+    def seq_split(self) -> int:
+        """Ranks each sequence is split over (Ulysses sp or context-parallel cp)."""
+        return self.sp * self.cp
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -444,3 +444,30 @@ def test_openrlhf_pins_never_pair_autotp_with_zero3():
     pinned = openrlhf.equalize(problem, plan)[0][1]
     assert set(pinned.constraints.fixed_tp_pp) == {(n, 2, 1) for n in openrlhf.DEEPSPEED}
     assert (pinned.candidates.micro_batches, pinned.candidates.zeros, pinned.candidates.max_pp) == ((1,), (1,), 16)
+
+
+def test_context_parallelism_is_emitted_where_the_framework_has_it_and_named_where_not():
+    """A plan that splits sequences by context parallelism: verl's Megatron engine takes
+    ``context_parallel_size`` (a key of its generated config), OpenRLHF its ring attention
+    (``--ds.ring_attn_size``, an argument of train_ppo_ray); verl's FSDP engine has only Ulysses."""
+    job = load_job(JOB8)
+    problem = PlanProblem(job=job, cluster=load_cluster(FOUR_NODES), workload=job.workload())
+    split = ("actor/training", "critic/training", "ref/inference")  # dp 3 each: cp 3 takes all of it
+    cp = {k: (P(**{**v[0].to_dict(), "cp": 3}) if k in split else v[0], v[1], v[2]) for k, v in MEGATRON_PLAN.items()}
+    plan = make_plan(job, cp)
+    assert verl.gaps(plan, "megatron") == []
+    kv = check_verl_keys(verl.emit(problem, plan, no_solve, engine="megatron").args, "megatron")
+    assert kv["actor_rollout_ref.actor.megatron.context_parallel_size"] == "3"
+    assert kv["actor_rollout_ref.ref.megatron.context_parallel_size"] == "3"
+    assert kv["critic.megatron.context_parallel_size"] == "3"
+    mixed = dict(cp, **{"ref/inference": MEGATRON_PLAN["ref/inference"]})
+    assert any("one context_parallel_size" in g for g in verl.gaps(make_plan(job, mixed), "megatron"))
+    fsdp = dict(FSDP_PLAN, **{"actor/training": (P(dp=32, zero=3, micro_batch=2, cp=2), 0, 32)})
+    assert any("actor/training uses context parallelism 2" in g for g in verl.gaps(make_plan(job, fsdp), "fsdp"))
+    paired = dict(PAIRED_PLAN, **{k: (P(**{**v[0].to_dict(), "cp": 2}), v[1], v[2]) for k, v in PAIRED_PLAN.items()
+                                  if k != "actor/generation"})
+    plan = make_plan(job, paired)
+    assert openrlhf.gaps(plan) == []
+    words = list(openrlhf.emit(problem_of(JOB8, FOUR_NODES), plan, no_solve).args)
+    check_openrlhf_flags(words, openrlhf_flags())
+    assert words[words.index("--ds.ring_attn_size") + 1] == "2"

@@ -160,10 +160,13 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
         except SpecError:  # tp the model does not accept
             continue
         heads = job.model(role).heads
-        for mb, sp in ((mb, sp) for mb in cs.micro_batches for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0):
+        # sequence splits: Ulysses sp (heads split too) or context parallelism cp, never both
+        seq_splits = [{"sp": sp} for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
+        seq_splits += [{"cp": cp} for cp in cs.cps if cp != 1 and dp % cp == 0]
+        for mb, split in ((mb, x) for mb in cs.micro_batches for x in seq_splits):
             for zero in zeros:
                 for rc in cs.recompute:
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, **split)
                     ests = [estimate(job, cluster, ms, cfg, w, p) for ms in stages]
                     resident = ests[0].resident_bytes  # the home stage holds the model's state
                     transient = max(e.transient_bytes for e in ests)
@@ -199,7 +202,7 @@ class OracleResult:
     mismatches: list
 
 
-ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "recompute", "sps", "offload", "kv_fractions"}
+ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "recompute", "sps", "cps", "offload", "kv_fractions"}
 """CandidateSettings fields the oracle enumerates (offload only at its default, off)."""
 
 
@@ -380,6 +383,13 @@ def test_cpsat_objective_equals_independent_oracle_on_ppo8b_every_zero_stage(gpu
     """ZeRO 0-3 on both sides (at 16 GPUs with 4k responses ZeRO-2 beats ZeRO 1 and 3 in the cost
     model, so a solver that drops a requested stage is caught there)."""
     _check(_problem(gpus, mean, max_len, zeros=ALL_ZEROS), zeros=ALL_ZEROS)
+
+
+@pytest.mark.parametrize("gpus,mean,max_len", [(8, 16384, 65536)])
+def test_cpsat_objective_equals_independent_oracle_with_context_parallelism(gpus, mean, max_len):
+    """Context parallelism in the search (cp 2 and 4 beside Ulysses sp): very long responses, where
+    splitting sequences decides what fits."""
+    _check(_problem(gpus, mean, max_len, cps=(1, 2, 4)), zeros=CandidateSettings().zeros)
 
 
 def test_cpsat_objective_equals_independent_oracle_on_ppo70b_64_gpus():

@@ -243,7 +243,7 @@ def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool
     padded to the batch's longest (time: the expected longest; memory: the cap, which a padded
     batch reaches whenever one row does). ``pad_to`` > 0: every sequence is ``pad_to`` tokens wide
     (``padded_tokens``); a token budget still counts the real tokens."""
-    groups = cfg.dp // cfg.sp
+    groups = cfg.dp // cfg.seq_split
     seqs = w.sequences / (per_step * groups)
     s_mean = w.prompt_len + w.response_len_mean
     longest = w.prompt_len + expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
@@ -254,7 +254,7 @@ def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool
         b = cfg.micro_batch
         return max(1, math.ceil(seqs / b)), b * longest, b * (w.prompt_len + w.response_len_max)
     if cfg.token_budget:
-        budget = cfg.token_budget * cfg.sp
+        budget = cfg.token_budget * cfg.seq_split
         # the budget counts real tokens (verl balances micro-batches on attention-mask lengths), padded or not
         m = max(1, math.ceil(seqs * s_real / budget))
         return m, seqs * s_mean / m, max(float(budget) * s_mean / s_real, longest)
@@ -274,7 +274,7 @@ def _computed(w: Workload, cfg: ParallelConfig, mb_tokens: float, s_sq: float, p
 
 def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
               w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
-    tp, pp, dp, sp = cfg.tp, cfg.pp, cfg.dp, cfg.sp
+    tp, pp, dp, sp, split = cfg.tp, cfg.pp, cfg.dp, cfg.sp, cfg.seq_split
     E, M = job.batch.ppo_epochs, job.batch.mini_batches
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
@@ -287,21 +287,24 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if job.sequence.padded else (padded_tokens(w, o.pad_to), s_sq)
     attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
     flops = n_factor * model.matmul_params() * tokens * E
-    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / sp * h * model.ffn / tp)
+    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / split * h * model.ffn / tp)
     if o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
         layer_flops = n_factor * L * model.layer_params() * tokens * E
         compute = ((flops - layer_flops) / (cfg.gpus * gpu.peak_flops * eff)
                    + fp8_linear_s(model, layer_flops, tokens * E, cfg, mb_tokens, gpu, p))
     else:
         compute = flops / (cfg.gpus * gpu.peak_flops * eff)
-    compute += attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
+    attn_s = attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
+    compute += attn_s
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
     # communication
     n_micro = E * M * m
-    act_bytes = mb_tokens / sp * h * 2
+    act_bytes = mb_tokens / split * h * 2
     n_ar = 6 if cfg.recompute else 4
     t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * ar_s(act_bytes, tp, cluster, p)
     t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * _a2a(act_bytes / tp, sp, cluster, p, tp)
+    if cfg.cp > 1:  # forward, backward (keys/values again and their gradients back), forward again when recomputing
+        t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, n_micro, 4 if cfg.recompute else 3, attn_s, cluster, p)
     t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)
     psi = params_per_gpu(model, tp, pp, head)
     # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
@@ -332,7 +335,7 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
     in_flight = min(pp, m)
     layers_here = math.ceil(L / pp)
-    tok = mb_worst / sp
+    tok = mb_worst / split
     if cfg.recompute:
         # the kept block inputs: split over TP with sequence parallelism, replicated where the
         # measured activations say the executor replicates the residual (no SP)
@@ -363,12 +366,27 @@ def fp8_linear_s(model: ModelSpec, layer_flops: float, tokens: float, cfg: Paral
     layer), and the weights once per micro-batch for forward and backward. Derived, except
     ``mfu_train_fp8``, which the GPU profiles fit on the corpus's FP8 fit rows."""
     h, f, L = model.hidden, model.ffn, model.layers
-    eff = p.matmul_eff(p.mfu_train_fp8, 2 * mb_tokens / cfg.sp * h * f / cfg.tp)
+    eff = p.matmul_eff(p.mfu_train_fp8, 2 * mb_tokens / cfg.seq_split * h * f / cfg.tp)
     gemm = layer_flops / (cfg.gpus * FP8_PEAK_FACTOR * gpu.peak_flops * eff)
     act = (h + model.q_dim + h + f) * (2 if cfg.recompute else 1) + (model.q_dim + 2 * model.kv_dim + h + 2 * f + h)
     micro = tokens / max(1.0, mb_tokens) / cfg.dp  # micro-batches per GPU
     elems = tokens / cfg.dp * L / cfg.pp * act / cfg.tp + micro * 2 * L * model.layer_params() / (cfg.tp * cfg.pp)
     return gemm + elems * FP8_CAST_BYTES / (p.hbm_eff * gpu.hbm_bytes_per_s)
+
+
+def ring_kv_exposed_s(model: ModelSpec, cfg: ParallelConfig, mb_tokens: float, n_micro: float, passes: int,
+                      attn_s: float, cluster: ClusterSpec, p: CostParams) -> float:
+    """Context parallelism's ring attention (Megatron ``context_parallel_size``): in every pass over
+    a layer each of the cp ranks hands its key/value chunk (``2 * kv_dim / tp`` values per token of
+    its ``mb_tokens / cp``) to the next rank cp - 1 times, point to point inside the cp x tp group.
+    Megatron overlaps each transfer with the attention block of the chunk already there, so what
+    shows is the ring time beyond the attention compute (``attn_s``, the stage's attention seconds).
+    ``passes``: 1 for a forward, 3 for forward + backward (keys/values again, their gradients back),
+    4 with recomputation."""
+    chunk = 2 * model.kv_dim / cfg.tp * (mb_tokens / cfg.cp) * model.dtype_bytes
+    per_layer = (cfg.cp - 1) * p2p_s(chunk, _group_bw(cluster, cfg.cp * cfg.tp, p), p.p2p_latency_s)
+    ring = n_micro * math.ceil(model.layers / cfg.pp) * passes * per_layer
+    return max(0.0, ring - attn_s)
 
 
 def _a2a(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int) -> float:
@@ -385,21 +403,24 @@ inference passes; a pass of many layers hardly notices them, a latency-bound one
 
 def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
                p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
-    tp, pp, sp = cfg.tp, cfg.pp, cfg.sp
+    tp, pp, sp, split = cfg.tp, cfg.pp, cfg.sp, cfg.seq_split
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
     tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if padded else (padded_tokens(w, o.pad_to), s_sq)
     attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
     flops = 2 * model.matmul_params() * tokens
-    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / sp * h * model.ffn / tp)
+    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / split * h * model.ffn / tp)
     peak = cfg.gpus * cluster.gpu.peak_flops
-    compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
-    act_bytes = mb_tokens / sp * h * 2
+    attn_s = attn / (peak * p.mfu_attn)
+    compute = flops / (peak * eff) + attn_s
+    act_bytes = mb_tokens / split * h * 2
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
          "tp_comm": m * (math.ceil(L / pp) * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
          "sp_comm": m * math.ceil(L / pp) * 4 * _a2a(act_bytes / tp, sp, cluster, p, tp),
          "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, _group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
+    if cfg.cp > 1:
+        t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, m, 1, attn_s, cluster, p)
     if head == "lm":
         t["logprob_vocab"] = logprob_vocab_s(tokens, model.vocab, cfg, cluster, p, training=False)
     psi = params_per_gpu(model, tp, pp, head)
@@ -415,7 +436,7 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
     resident = {"weights": model.dtype_bytes * psi}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
-    tok = mb_worst / sp
+    tok = mb_worst / split
     transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
                  "workspace": p.workspace_gib * GiB}
     return _finish(ms, cfg, t, "inference", p, resident, transient, cluster)

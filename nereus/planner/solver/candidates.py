@@ -58,7 +58,7 @@ class Option:
     def label(self) -> str:
         c = self.config
         extra = f" mb{c.micro_batch}" + (f" z{c.zero}" if c.zero != 1 else "") + (" rc" if c.recompute else "") + \
-            (f" sp{c.sp}" if c.sp > 1 else "") + \
+            (f" sp{c.sp}" if c.sp > 1 else "") + (f" cp{c.cp}" if c.cp > 1 else "") + \
             (" off" if self.offload else "")
         kv = "" if self.kv_budget_bytes is None else f" kv{self.kv_budget_bytes / 1024**3:.1f}G"
         return f"{c.label()}{extra}{kv}"
@@ -205,14 +205,15 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
         # a micro-batch larger than a DP rank's share only adds activation memory
         mbs = [mb for mb in cs.micro_batches if mb == min(cs.micro_batches) or mb <= per_rank / dp]
         heads = j.model(unit.stages[0].split("/")[0]).heads
-        sps = [sp for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
-        for mb, sp in ((mb, sp) for mb in mbs for sp in sps):
+        splits = [(sp, 1) for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
+        splits += [(1, cp) for cp in cs.cps if cp > 1 and dp % cp == 0]
+        for mb, (sp, cp) in ((mb, x) for mb in mbs for x in splits):
             for zero in (cs.zeros if trainable else (1,)):
                 for rc in (cs.recompute if trainable else (False,)):
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp, cp=cp)
                     ests = [est(unit.stages[0], cfg)]
                     if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
-                        key = (tp, pp, mb, sp, zero >= 3)
+                        key = (tp, pp, mb, sp, cp, zero >= 3)
                         if key not in infer_cache:
                             infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])

@@ -48,6 +48,10 @@ class CandidateSettings:
     sps: tuple[int, ...] = (1, 2)
     """Ulysses sequence-parallel degrees of training and inference units (taken from DP ranks; one
     that does not divide dp, or tp * sp that does not divide the heads, is skipped)."""
+    cps: tuple[int, ...] = (1,)
+    """Context-parallel degrees (Megatron ring attention, taken from DP ranks like sp; never combined
+    with sp > 1). ``(1, 2, 4)`` lets the solver split long sequences that way; off by default, which
+    keeps the default search (and its 1,024-GPU solve time) as it was."""
     offload: tuple[bool, ...] = (False,)
     """Trainable models may keep their optimizer state in host memory, paying
     ``cost.offload_s`` (out and back once per step); ``(False, True)`` lets the solver choose."""

@@ -86,8 +86,8 @@ class LayoutChangePrices:
 
 def plan_key(plan: Plan) -> tuple:
     return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
-                  s.config.zero, s.config.recompute, getattr(s.config, "sp", 1), getattr(s.config, "token_budget", 0))
-                 for s in plan.stages)
+                  s.config.zero, s.config.recompute, getattr(s.config, "sp", 1), getattr(s.config, "token_budget", 0),
+                  getattr(s.config, "cp", 1)) for s in plan.stages)
 
 
 class GroundTruth:
@@ -200,6 +200,9 @@ class GroundTruth:
 
     def _stage_key(self, s: StagePlacement) -> tuple:
         c, g = s.config, self.cluster.gpus_per_node
+        if getattr(c, "cp", 1) > 1:
+            raise SpecError(f"ground truth: {s.name} uses context parallelism cp{c.cp}, which the simulated machine "
+                            f"does not model (the simulator's candidates leave it out)")
         span = c.tp * c.dp
         stage_inter = c.pp > 1 and (s.first_gpu // g != (s.first_gpu + span) // g)
         return (s.name, c.tp, c.pp, c.dp, c.micro_batch, getattr(c, "token_budget", 0), getattr(c, "sp", 1),
