@@ -128,3 +128,150 @@ def test_stage_options_refuse_bad_values_and_name_them():
 
 def test_the_sequence_spec_default_is_unpadded():
     assert SequenceSpec(prompt_len=1, response_len_mean=1, response_len_max=1).padded is False
+
+
+# ---- the second mutation run's survivors (after context parallelism changed the sample) -------------
+Q7 = preset("qwen2.5-7b")  # qkv bias, untied embeddings
+
+
+def test_parameters_per_gpu_add_up_to_the_model_and_shard_by_tp():
+    for m in (M8B, Q7):
+        assert cm.params_per_gpu(m, 1, 1) == pytest.approx(m.num_params(), rel=1e-9), m.name
+        # TP splits the q/o, gate/up/down, embedding and head, and the q bias; layernorms and (here) k/v stay whole
+        two = cm.params_per_gpu(m, 2, 1)
+        assert m.num_params() / 2 < two < 0.6 * m.num_params()
+        # pipeline: the most loaded stage holds half the layers and the larger of embedding and head
+        pp2 = cm.params_per_gpu(m, 1, 2)
+        assert pp2 < 0.6 * m.num_params()
+        assert pp2 > (m.num_params() - 2 * m.vocab * m.hidden) / 2
+
+
+def test_the_value_heads_model_state_is_priced_with_its_value_head():
+    job = job_()
+    cfg = ParallelConfig(tp=1, dp=8, micro_batch=2, zero=1)
+    critic = estimate(job, H100, "critic/inference", cfg)
+    assert critic.mem_breakdown["weights"] == pytest.approx(2 * cm.params_per_gpu(M8B, 1, 1, "value"))
+    train = estimate(job, H100, "critic/training", cfg)
+    actor = estimate(job, H100, "actor/training", cfg)
+    assert train.resident_bytes < actor.resident_bytes  # a 1-wide value head, not a vocabulary head
+
+
+def job_():
+    return job()
+
+
+def test_one_micro_batch_makes_the_whole_pass_a_pipeline_bubble():
+    """pp = 2 with every sequence of a rank in one micro-batch: nothing overlaps, the bubble is the
+    whole compute ((pp - 1) / m with m = 1); two micro-batches halve it."""
+    j = job(prompts=8, spp=1)  # 8 sequences on dp 4: 2 per rank
+    one = estimate(j, H100, "actor/inference", ParallelConfig(pp=2, dp=4, micro_batch=2))
+    two = estimate(j, H100, "actor/inference", ParallelConfig(pp=2, dp=4, micro_batch=1))
+    assert one.time_breakdown["pp_bubble"] == pytest.approx(one.time_breakdown["compute"])
+    assert two.time_breakdown["pp_bubble"] == pytest.approx(two.time_breakdown["compute"] / 2)
+
+
+def test_recomputation_adds_the_forwards_tensor_parallel_all_reduces():
+    cfg = ParallelConfig(tp=2, dp=4, micro_batch=2, zero=1)
+    off = estimate(job(), H100, "actor/training", cfg).time_breakdown["tp_comm"]
+    on = estimate(job(), H100, "actor/training", replace(cfg, recompute=True)).time_breakdown["tp_comm"]
+    assert off > 0 and on == pytest.approx(1.5 * off, rel=1e-9)  # 6 instead of 4 per layer
+
+
+def test_fsdp_gathers_the_parameters_for_forward_and_backward_in_training_and_once_in_inference():
+    j = job(prompts=64, spp=1)  # ... with one mini-batch below: the same micro-batches in both stages
+    j = replace(j, batch=replace(j.batch, mini_batches=1))
+    cfg = ParallelConfig(tp=1, dp=8, micro_batch=2, zero=3)
+    train = estimate(j, H100, "actor/training", cfg).time_breakdown["fsdp_gather"]
+    infer = estimate(j, H100, "actor/inference", cfg).time_breakdown["fsdp_gather"]
+    assert infer > 0 and train == pytest.approx(2 * infer, rel=1e-9)
+
+
+def test_the_vocabulary_pass_is_paid_by_the_lm_head_only_and_more_in_training():
+    cfg = ParallelConfig(tp=1, dp=8, micro_batch=2, zero=1)
+    j = replace(job(), batch=replace(job().batch, mini_batches=1))
+    actor = estimate(j, H100, "actor/training", cfg).time_breakdown
+    assert actor["logprob_vocab"] > estimate(j, H100, "actor/inference", cfg).time_breakdown["logprob_vocab"] > 0
+    assert "logprob_vocab" not in estimate(j, H100, "critic/training", cfg).time_breakdown
+
+
+def test_the_fsdp_cpu_floor_counts_the_layers_of_one_pipeline_stage():
+    p = CostParams(fsdp_unit_cpu_s=0.05)  # CPU-bound on purpose
+    j = job(prompts=8, spp=1)
+    j = replace(j, batch=replace(j.batch, mini_batches=1))
+    t = {pp: estimate(j, H100, "actor/training", ParallelConfig(pp=pp, dp=8 // pp, zero=3), params=p).time_breakdown
+         for pp in (1, 2)}
+    # the floor is micro-batches x layers of the stage x 2 passes x 50 ms, less the GPU time
+    for pp, tb in t.items():
+        gpu = sum(v for k, v in tb.items() if k != "fsdp_cpu_bound")
+        micro = 8 // (8 // pp)  # one sequence per micro-batch, 8 sequences over dp = 8 / pp
+        assert tb["fsdp_cpu_bound"] == pytest.approx(micro * (M8B.layers // pp) * 2 * 0.05 - gpu, rel=1e-9)
+
+
+def test_replicated_block_inputs_are_not_divided_by_tp():
+    """``act_bytes_replicated``: the kept inputs of recomputed blocks are whole on every TP rank."""
+    cfg = ParallelConfig(tp=2, dp=4, micro_batch=1, zero=1, recompute=True)
+    rep, split = (estimate(job(), H100, "actor/training", cfg, params=CostParams(act_bytes_replicated=r))
+                  .mem_breakdown["activations"] for r in (1.0, 0.0))
+    assert rep > split
+    one = estimate(job(), H100, "actor/training", replace(cfg, tp=1, dp=8),
+                   params=CostParams(act_bytes_replicated=1.0)).mem_breakdown["activations"]
+    # replicated, the kept part does not shrink with tp; only the one recomputed layer's working set does
+    assert rep > 0.5 * one
+
+
+def test_decode_attention_work_grows_with_the_context():
+    p = CostParams()
+    terms = decode_terms(M8B, 1, 1, H100, p)
+    (_, c1, _), (_, c2, _) = terms(64.0, 1000.0), terms(64.0, 9000.0)
+    # per sequence and token of context 4 L heads d FLOPs (QK^T and AV), beside 2 N for the matmuls, at
+    # one efficiency (set by the batch): the growth from 1k to 9k context is 8k x 4 L h d / (2 N + 1k x 4 L h d)
+    n_attn, n_mat = 4 * M8B.layers * M8B.heads * M8B.head_dim, 2 * M8B.matmul_params()
+    assert (c2 - c1) / c1 == pytest.approx(n_attn * 8000.0 / (n_mat + n_attn * 1000.0), rel=1e-9)
+
+
+def test_prefill_charges_attention_and_smaller_gemms_under_tp():
+    p = CostParams()
+    short = cm.prefill_s(M8B, 1, 1, 512, 64, 64, H100, p)
+    long_ = cm.prefill_s(M8B, 1, 1, 8192, 4, 4, H100, p)  # same tokens, 16x longer prompts
+    assert long_ > 1.1 * short  # attention grows with the square of the prompt
+    # per-rank GEMMs 8x smaller under tp 8 run less efficiently: the size penalty (a profile's
+    # matmul_half_flops) costs tp 8 a larger share of its time than tp 1
+    sized = CostParams(matmul_half_flops=1e9)
+    r = {tp: cm.prefill_s(M8B, tp, 1, 2048, 8, 1, H100, sized) / cm.prefill_s(M8B, tp, 1, 2048, 8, 1, H100, p)
+         for tp in (1, 8)}
+    assert r[8] > r[1] > 1.0, r
+
+
+def test_fp8_gemm_efficiency_follows_the_per_rank_gemm():
+    p = CostParams(matmul_half_flops=1e9)  # the size dependence the GPU profiles fit (about 1e9 on H100)
+    kw = dict(model=M8B, layer_flops=1e15, tokens=1e5, mb_tokens=64.0, gpu=H100.gpu, p=p)
+    t1 = cm.fp8_linear_s(cfg=ParallelConfig(tp=1, dp=8), **kw)
+    t8 = cm.fp8_linear_s(cfg=ParallelConfig(tp=8, dp=1), **kw)
+    assert t8 > t1  # an 8x smaller GEMM per rank is less efficient for the same FLOPs
+
+
+def test_no_padding_by_default_and_the_length_tail_counts_in_attention():
+    from nereus.planner.specs import Workload
+
+    w = Workload(sequences=8, prompt_len=100, response_len_mean=500, response_len_max=4000)
+    assert cm.padded_tokens(w) == w.tokens
+    light = Workload(sequences=8, prompt_len=100, response_len_mean=500, response_len_max=4000, response_len_p90=600)
+    heavy = Workload(sequences=8, prompt_len=100, response_len_mean=500, response_len_max=4000, response_len_p90=1500)
+    assert cm.seq_moments(heavy)[1] > cm.seq_moments(light)[1]
+
+
+def test_a_pipeline_as_deep_as_the_model_is_allowed_and_deeper_is_refused_by_name():
+    tiny = JobSpec.from_dict({"algorithm": "grpo", "models": {"actor": "tiny-4l-128h"},
+                              "batch": {"prompts": 8, "samples_per_prompt": 2},
+                              "sequence": {"prompt_len": 8, "response_len_mean": 8, "response_len_max": 16}})
+    assert estimate(tiny, H100, "actor/training", ParallelConfig(pp=4, dp=2)).time_s > 0
+    with pytest.raises(SpecError, match=r"pp\(8\) > layers\(4\)"):
+        estimate(tiny, H100, "actor/training", ParallelConfig(pp=8, dp=1))
+    with pytest.raises(SpecError, match="job has no model-stage 'critic/training'"):
+        estimate(tiny, H100, "critic/training", ParallelConfig(dp=8))
+
+
+def test_context_parallel_inference_pays_the_ring_where_attention_cannot_hide_it():
+    cfg = ParallelConfig(tp=1, dp=8, cp=8, micro_batch=4)
+    e = estimate(job(mean=256, mx=512), H100, "actor/inference", cfg)
+    assert e.time_breakdown["cp_comm"] > 0

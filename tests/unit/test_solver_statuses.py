@@ -238,3 +238,52 @@ def test_an_unknown_backend_is_a_spec_error_naming_the_choices():
 
     with pytest.raises(SpecError, match=r"unknown solver backend 'simplex'; choose one of \('cpsat', 'pulp'"):
         solve(random_instance(1), backend="simplex")
+
+
+def test_re_tuning_the_current_pools_is_a_candidate_of_the_transition_aware_solve():
+    """Moving pools costs 1e6 s, re-tuning configs on the current pools nothing: the answer is the
+    best plan on the current pools (instance 5: 0.006% faster than the current plan), not the
+    current plan itself and not the step-time optimum elsewhere."""
+    p, opt, cur = _greedy_as_current(5)
+
+    def pools(plan):
+        return tuple((s.name, s.first_gpu, s.gpus) for s in plan.stages)
+
+    retuned = solve(replace(p, constraints=replace(p.constraints, fixed_placement=cur)), backend="cpsat", workers=1)
+    assert pools(retuned.plan) == pools(cur) and retuned.objective < cur.step_time_s * (1 - 1e-6)
+    cost = lambda a, b: 0.0 if pools(a) == pools(b) else 1e6  # noqa: E731
+    s = solve(replace(p, current_plan=cur, transition_cost=cost, amortize_steps=10.0), backend="cpsat", workers=1)
+    assert pools(s.plan) == pools(cur) and s.objective == pytest.approx(retuned.objective, rel=1e-9)
+
+
+def test_the_transition_aware_re_solve_keeps_the_callers_limit_seed_and_determinism(monkeypatch):
+    from nereus.planner.solver import backends
+
+    calls = []
+    real = backends.solve_cpsat
+
+    def spy(m, t_hi, time_limit_s, workers, seed, deterministic=False):
+        calls.append((time_limit_s, workers, seed, deterministic))
+        return real(m, t_hi, time_limit_s, workers, seed, deterministic)
+
+    p, _, cur = _greedy_as_current()
+    monkeypatch.setattr(backends, "solve_cpsat", spy)
+    solve(replace(p, current_plan=cur, transition_cost=lambda a, b: 1.0, amortize_steps=10.0), backend="cpsat",
+          time_limit_s=7.5, workers=1, seed=3, deterministic=True)
+    assert len(calls) == 2 and set(calls) == {(7.5, 1, 3, True)}, calls  # the step-time solve and the fixed-pools one
+
+
+def test_a_backend_that_finds_nothing_in_time_reports_its_own_wall_time(monkeypatch):
+    from nereus.planner.solver import backends
+
+    monkeypatch.setattr(backends, "solve_cpsat", lambda *a, **k: ("UNKNOWN", None, math.nan, math.nan))
+    import importlib
+    import time
+
+    monkeypatch.setattr(importlib.import_module("nereus.planner.solver.solve"), "greedy", lambda problem, t: None)
+
+    t0 = time.perf_counter()
+    s = solve(random_instance(1), backend="cpsat", workers=1, time_limit_s=3)
+    elapsed = time.perf_counter() - t0
+    assert s.status == "INFEASIBLE" and "found no plan within 3 s" in s.message
+    assert 0 < s.wall_s <= elapsed
