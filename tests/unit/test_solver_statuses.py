@@ -287,3 +287,35 @@ def test_a_backend_that_finds_nothing_in_time_reports_its_own_wall_time(monkeypa
     elapsed = time.perf_counter() - t0
     assert s.status == "INFEASIBLE" and "found no plan within 3 s" in s.message
     assert 0 < s.wall_s <= elapsed
+
+
+def test_every_answer_reports_its_backend_wall_time_and_gap_on_every_path(monkeypatch):
+    """The fields beside the plan, on the paths the full mutation run found unchecked: the default
+    backend, the transition-aware answer (proven and not), a model-stage that fits nowhere alone,
+    and a backend that found nothing in time."""
+    import importlib
+    import time
+
+    t0 = time.perf_counter()
+    s = solve(random_instance(1), workers=1)  # the default backend
+    assert s.backend == s.plan.backend == "cpsat" and 0 < s.wall_s <= time.perf_counter() - t0
+    p, opt, cur = _greedy_as_current()
+    for cost, proven in ((lambda a, b: 0.0, True), (lambda a, b: 0.0 if a.layout_key() == b.layout_key() else 1e6,
+                                                   False)):
+        t0 = time.perf_counter()
+        s = solve(replace(p, current_plan=cur, transition_cost=cost, amortize_steps=10.0), backend="cpsat", workers=1)
+        elapsed = time.perf_counter() - t0
+        assert s.backend == s.plan.backend == "cpsat" and 0 < s.wall_s <= elapsed and s.plan.solve_s == s.wall_s
+        assert (s.status, s.gap == 0.0) == (("OPTIMAL", True) if proven else ("FEASIBLE", False)), (s.status, s.gap)
+    # a model-stage that fits no GPU on its own: INFEASIBLE before any backend runs
+    tiny = replace(_tight(), cluster=_tight().cluster.with_gpus(1))
+    t0 = time.perf_counter()
+    s = solve(tiny, backend="pulp", workers=1)
+    assert s.status == "INFEASIBLE" and s.backend == "pulp" and 0 < s.wall_s <= time.perf_counter() - t0
+    # a backend that found nothing within its limit: gap NaN, named backend
+    from nereus.planner.solver import backends
+
+    monkeypatch.setattr(backends, "solve_cpsat", lambda *a, **k: ("UNKNOWN", None, math.nan, math.nan))
+    monkeypatch.setattr(importlib.import_module("nereus.planner.solver.solve"), "greedy", lambda problem, t: None)
+    s = solve(random_instance(1), backend="cpsat", workers=1, time_limit_s=2)
+    assert s.backend == "cpsat" and math.isnan(s.gap) and math.isnan(s.bound) and s.objective == math.inf
