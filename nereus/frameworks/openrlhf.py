@@ -246,7 +246,7 @@ def flags(problem, plan: Plan, *, dynamic_bsz: bool = False) -> tuple[str, ...]:
     out += ["--vllm.num_engines", str(g.config.dp), "--vllm.tensor_parallel_size", str(g.config.tp),
             "--vllm.gpu_memory_utilization", f"{generation_memory_fraction(job, cluster, plan, w, problem.params):.2f}",
             "--ds.zero_stage", str(actor.config.zero), "--ds.tensor_parallel_size", str(actor.config.tp)]
-    if getattr(actor.config, "cp", 1) > 1:  # OpenRLHF's ring attention is context parallelism
+    if actor.config.cp > 1:  # OpenRLHF's ring attention is context parallelism
         out += ["--ds.ring_attn_size", str(actor.config.cp)]
     a_inf = plan.stage("actor/inference")
     if dynamic_bsz or packs_tokens(plan):

@@ -86,7 +86,7 @@ def _sp(s) -> int:
 
 
 def _cp(s) -> int:
-    return getattr(s.config, "cp", 1)
+    return s.config.cp
 
 
 def gaps(plan: Plan, engine: str) -> list[str]:

@@ -110,6 +110,7 @@ class Plan:
     """Free-form extra figures (e.g. weight_sync_s, phase makespans) kept in the JSON."""
     _num_gpus: int = field(init=False, repr=False, compare=False, default=0)
     _layout_key: tuple = field(init=False, repr=False, compare=False, default=())
+    _key: tuple = field(init=False, repr=False, compare=False, default=())
     """Derived once in ``__post_init__``: the simulator and controller ask these millions of times."""
 
     def __post_init__(self) -> None:
@@ -125,6 +126,9 @@ class Plan:
         object.__setattr__(self, "_num_gpus", max((s.first_gpu + s.gpus for s in self.stages), default=0))
         object.__setattr__(self, "_layout_key", tuple(
             (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero) for s in self.stages))
+        object.__setattr__(self, "_key", tuple(
+            (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch, s.config.zero,
+             s.config.recompute, s.config.sp, s.config.cp, s.config.token_budget) for s in self.stages))
 
     def __iter__(self) -> Iterator[StagePlacement]:
         return iter(self.stages)
@@ -146,6 +150,10 @@ class Plan:
     def layout_key(self) -> tuple:
         """What a transition must change: pools and (tp, pp, dp, zero) of every model-stage."""
         return self._layout_key
+
+    def key(self) -> tuple:
+        """Everything about the plan that changes its time or memory: pools, layout and knobs."""
+        return self._key
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "step_time_s": self.step_time_s, "solve_s": self.solve_s, "gap": self.gap,

@@ -12,7 +12,7 @@ from nereus.models import preset
 from nereus.planner.cost import model as cm
 from nereus.planner.cost.model import StageOptions, decode_terms, estimate
 from nereus.planner.cost.params import CostParams, allreduce_s
-from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, RolloutSpec, SequenceSpec
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, RolloutSpec
 
 GiB = 1024**3
 H100 = ClusterSpec.from_dict({"gpu": "h100-80gb", "nodes": 1})
@@ -126,9 +126,6 @@ def test_stage_options_refuse_bad_values_and_name_them():
         StageOptions(grad_reduce_bytes=3)
 
 
-def test_the_sequence_spec_default_is_unpadded():
-    assert SequenceSpec(prompt_len=1, response_len_mean=1, response_len_max=1).padded is False
-
 
 # ---- the second mutation run's survivors (after context parallelism changed the sample) -------------
 Q7 = preset("qwen2.5-7b")  # qkv bias, untied embeddings
@@ -147,17 +144,13 @@ def test_parameters_per_gpu_add_up_to_the_model_and_shard_by_tp():
 
 
 def test_the_value_heads_model_state_is_priced_with_its_value_head():
-    job = job_()
+    job_ = job()
     cfg = ParallelConfig(tp=1, dp=8, micro_batch=2, zero=1)
-    critic = estimate(job, H100, "critic/inference", cfg)
+    critic = estimate(job_, H100, "critic/inference", cfg)
     assert critic.mem_breakdown["weights"] == pytest.approx(2 * cm.params_per_gpu(M8B, 1, 1, "value"))
-    train = estimate(job, H100, "critic/training", cfg)
-    actor = estimate(job, H100, "actor/training", cfg)
+    train = estimate(job_, H100, "critic/training", cfg)
+    actor = estimate(job_, H100, "actor/training", cfg)
     assert train.resident_bytes < actor.resident_bytes  # a 1-wide value head, not a vocabulary head
-
-
-def job_():
-    return job()
 
 
 def test_one_micro_batch_makes_the_whole_pass_a_pipeline_bubble():

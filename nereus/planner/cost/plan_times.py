@@ -26,10 +26,8 @@ GiB = 1024**3
 
 
 def plan_key(plan: Plan) -> tuple:
-    """Everything about a plan that changes its time or memory (layout and knobs)."""
-    return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
-                  s.config.zero, s.config.recompute, s.config.sp, s.config.cp, s.config.token_budget)
-                 for s in plan.stages)
+    """Everything about a plan that changes its time or memory (``Plan.key``)."""
+    return plan.key()
 
 
 def workload_key(w: Workload) -> tuple:

@@ -155,7 +155,7 @@ class PlanCache:
                                   **({"candidates": self.candidates} if self.candidates is not None else {}))
             fn = self._solve_fn or solve
             sol = fn(problem, backend=self.backend, time_limit_s=self.time_limit_s, workers=1, seed=self.seed,
-                     **({"deterministic": True} if self.deterministic else {}))
+                     deterministic=self.deterministic)
         except InfeasibleError as e:
             self.last_message = str(e)
             return None

@@ -85,9 +85,8 @@ class LayoutChangePrices:
 
 
 def plan_key(plan: Plan) -> tuple:
-    return tuple((s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch,
-                  s.config.zero, s.config.recompute, getattr(s.config, "sp", 1), getattr(s.config, "token_budget", 0),
-                  getattr(s.config, "cp", 1)) for s in plan.stages)
+    """A plan's layout and knobs (``Plan.key``): the truth's cache key of a plan."""
+    return plan.key()
 
 
 class GroundTruth:
