@@ -5,6 +5,7 @@ import argparse
 from dataclasses import replace
 
 from nereus.commands.common import GiB, add_job_cluster, console, load_specs, pos_float, pos_int, write_json
+from nereus.planner.specs import ENGINES
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,7 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                            "once per step)")
     p.add_argument("--gpu-memory-utilization", type=pos_float, help="generation engine's memory fraction (vLLM's "
                                                                     "gpu_memory_utilization; default 0.9)")
-    p.add_argument("--engine", choices=("vllm", "sglang", "tensorrt-llm", "static"), help="generation engine")
+    p.add_argument("--engine", choices=ENGINES,
+                   help="generation engine (vllm: vLLM's V1 engine, the default from 0.8.0; vllm-v0: its V0 engine, "
+                        "before 0.8.0 or with VLLM_USE_V1=0)")
     p.add_argument("--max-num-seqs", type=pos_int, help="most sequences an engine runs at once (default 256)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="generation engine without CUDA graphs (vLLM enforce_eager): kernel launches per decode "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec, preset
 from nereus.planner.specs import GPU_PRESETS, GPUSpec
 
@@ -134,10 +135,30 @@ def with_precision(model: ModelSpec, gpu: GPUSpec, dtype: str | None) -> tuple[M
     return model, gpu, ""
 
 
-def engine_of(engine: str) -> str:
+VLLM_V1_DEFAULT = (0, 8)
+"""The first vLLM release whose default engine is V1 (0.8.0); earlier releases run V0 only."""
+
+
+def engine_of(engine: str, vllm_engine: str | None = None) -> str:
+    """The cost model's engine for a corpus row's engine text: sglang, tensorrt-llm, or vLLM split
+    by engine generation. ``vllm-v0`` when the row's ``vllm_engine`` key says v0 (a log showing the
+    fall-back, ``VLLM_USE_V1=0``), when the text names V0, or when it names a release before 0.8.0;
+    ``vllm`` (V1) otherwise, including a vLLM whose release is not stated."""
     e = engine.lower()
     if "sglang" in e:
         return "sglang"
     if "tensorrt" in e or "trt" in e:
         return "tensorrt-llm"
+    if vllm_engine is not None:
+        v = vllm_engine.strip().lower()
+        if v not in ("v0", "v1"):
+            raise SpecError(f"vllm_engine must be v0 or v1, got {vllm_engine!r}")
+        return "vllm-v0" if v == "v0" else "vllm"
+    if re.search(r"\bv0\b(?!\.)", e):
+        return "vllm-v0"
+    if re.search(r"\bv1\b(?!\.)", e):
+        return "vllm"
+    m = re.search(r"vllm[\s=(]*v?(\d+)\.(\d+)", e)  # the release written right after "vllm"
+    if m and (int(m.group(1)), int(m.group(2))) < VLLM_V1_DEFAULT:
+        return "vllm-v0"
     return "vllm"

@@ -17,7 +17,9 @@ from nereus.errors import SpecError
 from nereus.jsonio import naming
 from nereus.planner.specs import MAX_GPUS
 
-CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages")
+CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "engine")
+"""``engine``: an inference engine's host time per decode iteration outside the GPU's forward
+(scheduler, input preparation, sampling, output processing) at a stated batch."""
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
            "derived", "split", "notes")
 SPLITS = ("fit", "heldout")

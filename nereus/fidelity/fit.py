@@ -63,18 +63,18 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
 
     base = base or CostParams()
     family = next((f for f in LINK_FAMILIES if gpu in f), (gpu,))
-    mine = [r for r in fit_rows(list(rows))
-            if row_gpu(r) == gpu or (r.category == "collectives" and row_gpu(r) in family)]
+    mine = [r for r in fit_rows(list(rows)) if r.category != "engine"  # host time: fitted across GPUs (engine_host_overhead)
+            and (row_gpu(r) == gpu or (r.category == "collectives" and row_gpu(r) in family))]
     usable = [r for r in mine if predict(r, lambda _: base).predicted is not None]
     if not usable:
         raise SpecError(f"no predictable fit-split row for gpu {gpu!r}: cannot fit a profile")
-    engines = sorted({engine_of(r.engine) for r in usable if r.category in ("decode", "prefill")})
+    engines = sorted({engine_of(r.engine, r.get("vllm_engine")) for r in usable if r.category in ("decode", "prefill")})
     names = [n for n, _, _ in FITTED]
     lo = [math.log(b) for _, b, _ in FITTED] + [math.log(b) for _ in engines for b, _ in ENGINE_BOUNDS]
     hi = [math.log(b) for _, _, b in FITTED] + [math.log(b) for _ in engines for _, b in ENGINE_BOUNDS]
     x0 = [math.log(_start(n, base)) for n in names]
-    for _ in engines:
-        x0 += [math.log(base.decode_step_overhead_s), math.log(base.decode_overhead_per_seq_s)]
+    for e in engines:  # from the engine's default (a host-time fit for vLLM V0), else the generic one
+        x0 += [math.log(v) for v in base.engine_overhead_terms(e)]
     x0 = np.clip(np.array(x0), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
     measured = np.log([r.value for r in usable])
 
@@ -82,7 +82,8 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
         kw = {n: float(math.exp(v)) for n, v in zip(names, x[:len(names)])}
         eo = tuple((e, float(math.exp(x[len(names) + 2 * i])), float(math.exp(x[len(names) + 2 * i + 1])))
                    for i, e in enumerate(engines))
-        return replace(base, **kw, engine_overhead=eo)
+        kept = tuple(t for t in base.engine_overhead if t[0] not in engines)  # engines the GPU's rows do not show
+        return replace(base, **kw, engine_overhead=eo + kept)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         p = params_of(x)
@@ -163,3 +164,30 @@ def eager_layer_cpu_s(rows: Iterable[Row]) -> tuple[float, list[dict]]:
     if not pairs:
         raise SpecError("no launch-bound eager / CUDA-graph pair in the corpus's fit split")
     return float(np.median([p["layer_ms"] for p in pairs])) * 1e-3, pairs
+
+
+def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float, list[str]]:
+    """An engine's per-iteration host overhead (``o0 + o1 * batch`` seconds) from the fit
+    split's ``engine`` rows of that engine, whatever their GPU (host time: the CPU's, not the GPU's):
+    a robust (soft-L1) least-squares line in log space of the measured ms, each source weighing the
+    same in all (one profiler's sweep of twelve rows must not outvote another source's one row).
+    Returns (o0 s, o1 s per sequence, the row ids used)."""
+    from scipy.optimize import least_squares
+
+    from nereus.fidelity.catalog import engine_of
+
+    use = [r for r in fit_rows(list(rows)) if r.category == "engine" and r.metric == "host_ms_per_iteration"
+           and engine_of(r.engine, r.get("vllm_engine")) == engine and (r.num("batch") or 0) >= 1]
+    if len({r.num("batch") for r in use}) < 2:
+        raise SpecError(f"engine {engine!r}: fewer than two batch sizes among the fit split's engine rows")
+    b = np.array([r.num("batch") for r in use])
+    ms = np.array([r.value for r in use])
+    per_source = {s: sum(1 for r in use if r.source.split()[0] == s) for s in {r.source.split()[0] for r in use}}
+    w = np.sqrt([1.0 / per_source[r.source.split()[0]] for r in use])  # each source weighs the same in all
+
+    def res(x: np.ndarray) -> np.ndarray:
+        return w * (np.log(np.exp(x[0]) + np.exp(x[1]) * b) - np.log(ms))
+
+    sol = least_squares(res, np.log([1.0, 0.05]), loss="soft_l1", f_scale=0.2)
+    o0, o1 = np.exp(sol.x) * 1e-3
+    return float(o0), float(o1), [r.id for r in use]

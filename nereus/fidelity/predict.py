@@ -60,6 +60,8 @@ def row_gpu(row: Row) -> str | None:
 
 def predict(row: Row, params_for: ParamsFor) -> Prediction:
     gpu, why = resolve_gpu(row.hardware)
+    if gpu is None and row.category == "engine":  # host time: the GPU does not enter it
+        gpu = GPU_PRESETS["h100-80gb"]
     if gpu is None:
         return Prediction(row, None, why)
     prof = profile_gpu(gpu)
@@ -127,7 +129,7 @@ def _decode(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     inp, out = _lengths(row)
     c = _concurrency(row, model, gpu, tp, pp, inp, out)
     cluster = _replica_cluster(gpu, tp * pp)
-    engine = engine_of(row.engine)
+    engine = engine_of(row.engine, row.get("vllm_engine"))
     t_iter = decode_iteration_s(model, tp, pp, c, inp + out / 2, cluster, p, engine, eager=_flag(row, "enforce_eager"))
     t_pre = prefill_s(model, tp, pp, inp, c, c, cluster, p)
     batch_s = t_pre + out * t_iter
@@ -155,7 +157,7 @@ def _prefill(row: Row, gpu: GPUSpec, p: CostParams) -> float:
         raise Unsupported("request-rate serving run: depends on the arrival process")
     c = max(1, int(float(b))) if b not in ("max", "unstated") else 1
     cluster = _replica_cluster(gpu, tp * pp)
-    t = prefill_s(model, tp, pp, inp, c, c, cluster, p) + p.iteration_overhead_s(engine_of(row.engine), c)
+    t = prefill_s(model, tp, pp, inp, c, c, cluster, p) + p.iteration_overhead_s(engine_of(row.engine, row.get("vllm_engine")), c)
     if row.metric in ("ttft_ms", "median_ttft_ms"):
         return t * 1e3
     if row.metric == "input_tok_s":
@@ -258,6 +260,10 @@ RL_STAGES = {"gen": "actor/generation", "generate_sequences": "actor/generation"
              "actor_train": "actor/training", "update_critic": "critic/training"}
 
 
+VERL_MAX_NUM_SEQS = 1024
+"""verl's rollout ``max_num_seqs`` default (its trainer config sets it; vLLM's own is 256)."""
+
+
 def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
     algo = (row.get("algo") or "grpo").lower()
     algo = "ppo" if algo == "ppo" else "grpo"
@@ -279,9 +285,12 @@ def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
     job = JobSpec(algorithm=algo, models=tuple(roles),
                   batch=BatchSpec(prompts=prompts, samples_per_prompt=n, mini_batches=max(1, prompts // max(1, mini))),
                   sequence=SequenceSpec(prompt_len=prompt, response_len_mean=min(mean, cap), response_len_max=int(cap)),
-                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine),
+                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine, row.get("vllm_engine")),
                                       sleep="colocate" in (row.get("mode") or "colocate"),
-                                      enforce_eager=_flag(row, "enforce_eager")))
+                                      enforce_eager=_flag(row, "enforce_eager"),
+                                      gpu_memory_utilization=row.num("gpu_memory_utilization"),
+                                      max_num_seqs=_int(row, "max_num_seqs", VERL_MAX_NUM_SEQS if
+                                                        row.engine.lower().startswith("verl") else 256)))
     return job, job.workload()
 
 
@@ -384,5 +393,16 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     raise Unsupported(f"RL stage {stage!r} not modelled")
 
 
+def _engine(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """Host milliseconds of one decode iteration outside the forward at the row's batch:
+    ``CostParams.iteration_overhead_s`` of the row's engine."""
+    b = row.num("batch")
+    if b is None or b < 1:
+        raise Unsupported("engine row without a numeric batch")
+    if row.metric != "host_ms_per_iteration":
+        raise Unsupported(f"engine metric {row.metric!r} not modelled")
+    return p.iteration_overhead_s(engine_of(row.engine, row.get("vllm_engine")), b) * 1e3
+
+
 _PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,
-               "rl_stages": _rl}
+               "rl_stages": _rl, "engine": _engine}

@@ -222,8 +222,11 @@ class SequenceSpec:
                 )
 
 
-ENGINES = ("vllm", "sglang", "tensorrt-llm", "static")
-"""Continuous-batching engines, and ``static``: a static-batch generator (Hugging Face ``generate``,
+ENGINES = ("vllm", "vllm-v0", "sglang", "tensorrt-llm", "static")
+"""Continuous-batching engines (``vllm``: vLLM's V1 engine, the default from vLLM 0.8.0;
+``vllm-v0``: its V0 engine, every release before 0.8.0 and ``VLLM_USE_V1=0`` or a V1 fall-back
+after, whose scheduler, input preparation, sampling and output processing run in Python between
+the GPU's iterations), and ``static``: a static-batch generator (Hugging Face ``generate``,
 Nereus's reference executor) in which every sequence keeps its slot and KV until the batch's
 longest response ends."""
 
@@ -233,8 +236,8 @@ class RolloutSpec:
     """The generation engine, as a job configures it (verl's ``actor_rollout_ref.rollout``)."""
 
     engine: str = "vllm"
-    """vllm | sglang | tensorrt-llm (continuous batching; per-iteration overheads fitted per engine)
-    | static (static batching)."""
+    """vllm (V1) | vllm-v0 | sglang | tensorrt-llm (continuous batching; per-iteration overheads
+    fitted per engine) | static (static batching)."""
     gpu_memory_utilization: float | None = None
     """Fraction of GPU memory the engine may take (weights + KV + workspace); None: the profile's
     ``kv_mem_util`` (vLLM's default 0.9)."""

@@ -94,3 +94,23 @@ def test_estimate_enforce_eager_adds_launch_time_to_generation(tmp_path):
     graph, eager = outs
     assert "eager_launch" not in graph["time_breakdown"]
     assert eager["time_breakdown"]["eager_launch"] > 0 and eager["time_s"] > graph["time_s"]
+
+
+def test_estimate_vllm_v0_engine_pays_more_per_running_sequence(tmp_path):
+    """--engine vllm-v0: vLLM's V0 engine prices each iteration's Python work per running sequence
+    (CostParams.engine_overhead), so 128 sequences per engine pay more step_overhead than on V1."""
+    job = tmp_path / "grpo-1.5b.yaml"
+    job.write_text("algorithm: grpo\nmodels: {actor: deepseek-r1-distill-qwen-1.5b, ref: deepseek-r1-distill-qwen-1.5b}\n"
+                   "batch: {prompts: 64, samples_per_prompt: 8}\n"
+                   "sequence: {prompt_len: 512, response_len_mean: 64, response_len_max: 256}\n")
+    outs = {}
+    for engine in ("vllm", "vllm-v0"):
+        out = tmp_path / f"{engine}.json"
+        r = nereus("estimate", "--job", str(job), "--cluster", "examples/cluster-h100-1n.yaml",
+                   "--model-stage", "actor/generation", "--tp", "1", "--dp", "4", "--engine", engine, "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        outs[engine] = json.loads(out.read_text())
+    v1, v0 = outs["vllm"]["time_breakdown"]["step_overhead"], outs["vllm-v0"]["time_breakdown"]["step_overhead"]
+    assert v0 > 1.4 * v1  # the running batch shrinks as responses end: not 128 throughout
+    r = nereus("estimate", *BASE, "--model-stage", "actor/generation", "--engine", "vllm-v2")
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr

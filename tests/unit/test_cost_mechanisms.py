@@ -436,3 +436,56 @@ def test_the_solver_may_choose_context_parallelism_and_plans_round_trip_it():
     assert all(s.config.cp == 1 for s in off.plan.stages)
     back = Plan.from_dict(on.plan.to_dict())
     assert back.stages == on.plan.stages
+
+
+@pytest.mark.parametrize("text, key, engine", [
+    ("vLLM V0 (Nov 2024, ~v0.6.3)", None, "vllm-v0"),
+    ("vLLM V1 (Nov 2024, ~v0.6.3)", None, "vllm"),
+    ("vllm 0.6.6 (rocm)", None, "vllm-v0"),
+    ("vLLM-Omni on vLLM 0.29.0", None, "vllm"),
+    ("NeMo RL v0.5 (vllm + megatron-core)", None, "vllm"),  # v0.5 is NeMo RL's release, not vLLM's
+    ("verl (vllm 0.8.3 + fsdp)", None, "vllm"),  # V1 by default from 0.8.0 ...
+    ("verl (vllm 0.8.3 + fsdp)", "v0", "vllm-v0"),  # ... unless the run's log shows the fall-back
+    ("vllm", "V1", "vllm"),
+    ("sglang 0.4.3.post4", "v0", "sglang"),
+])
+def test_rows_name_their_vllm_engine_generation(text, key, engine):
+    from nereus.fidelity.catalog import engine_of
+
+    assert engine_of(text, key) == engine
+
+
+def test_a_bad_vllm_engine_key_is_refused():
+    from nereus.fidelity.catalog import engine_of
+
+    with pytest.raises(SpecError, match="vllm_engine must be v0 or v1, got 'v2'"):
+        engine_of("vllm", "v2")
+
+
+def test_vllm_v0_iteration_overhead_is_the_host_rows_line_and_explains_its_rl_generation():
+    """vLLM's V0 engine: CostParams' default (o0, o1 per running sequence) is the robust line through
+    the fit split's host-time rows (``engine_host_overhead``: two sources, two hosts, batch 8-200),
+    each of which it predicts within 2x (the hosts themselves differ 1.8x), at median within 1.35x; it grows per sequence far faster than the generic (V1)
+    overhead. On the held-out verl rows whose logs show V0 (Qwen2.5-0.5B, vLLM 0.8.3 falling back
+    from V1), generation priced as V0 is slower than priced as V1 and closer to the measurement,
+    most for the PPO run's 256 sequences per GPU (no fit reads these rows)."""
+    from nereus.fidelity.fit import engine_host_overhead
+
+    o0, o1, used = engine_host_overhead(ROWS, "vllm-v0")
+    assert len(used) >= 10 and len({u.split("-")[0] for u in used}) >= 2
+    p = CostParams()
+    assert p.engine_overhead_terms("vllm-v0") == pytest.approx((o0, o1), rel=0.05)
+    assert p.engine_overhead_terms("vllm-v0")[1] > 2 * p.engine_overhead_terms("vllm")[1]
+    got = [predict(r, fitted_params).ratio for r in rows("engine") if r.id in used]
+    assert len(got) == len(used) and all(0.5 <= g <= 2 for g in got)  # the two hosts differ 1.8x
+    assert statistics.median(max(g, 1 / g) for g in got) <= 1.35
+    gen = [r for r in ROWS if r.id.startswith("playverl") and r.get("stage") == "gen" and r.get("vllm_engine") == "v0"]
+    assert len(gen) == 4
+    gains = []
+    for r in gen:
+        as_v0 = predict(r, fitted_params).predicted
+        as_v1 = predict(replace(r, config={**r.config, "vllm_engine": "v1"}), fitted_params).predicted
+        assert as_v1 < as_v0 < r.value
+        gains.append(as_v0 / as_v1)
+    ppo = [g for g, r in zip(gains, gen) if r.get("algo") == "ppo"]
+    assert min(ppo) > 1.4 and max(gains) == max(ppo)
