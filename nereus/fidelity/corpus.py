@@ -17,9 +17,10 @@ from nereus.errors import SpecError
 from nereus.jsonio import naming
 from nereus.planner.specs import MAX_GPUS
 
-CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "engine")
-"""``engine``: an inference engine's host time per decode iteration outside the GPU's forward
-(scheduler, input preparation, sampling, output processing) at a stated batch."""
+CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "host")
+"""``host``: framework time on the CPU that FLOP and byte counts miss: an inference engine's per
+decode iteration outside the forward (scheduler, input preparation, sampling, output processing)
+at a stated batch; eager PyTorch's per decoder layer and pass; FSDP's hooks per unit and pass."""
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
            "derived", "split", "notes")
 SPLITS = ("fit", "heldout")

@@ -63,7 +63,7 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
 
     base = base or CostParams()
     family = next((f for f in LINK_FAMILIES if gpu in f), (gpu,))
-    mine = [r for r in fit_rows(list(rows)) if r.category != "engine"  # host time: fitted across GPUs (engine_host_overhead)
+    mine = [r for r in fit_rows(list(rows)) if r.category != "host"  # host time: fitted across GPUs (engine_host_overhead, layer_host_s)
             and (row_gpu(r) == gpu or (r.category == "collectives" and row_gpu(r) in family))]
     usable = [r for r in mine if predict(r, lambda _: base).predicted is not None]
     if not usable:
@@ -168,7 +168,7 @@ def eager_layer_cpu_s(rows: Iterable[Row]) -> tuple[float, list[dict]]:
 
 def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float, list[str]]:
     """An engine's per-iteration host overhead (``o0 + o1 * batch`` seconds) from the fit
-    split's ``engine`` rows of that engine, whatever their GPU (host time: the CPU's, not the GPU's):
+    split's ``host`` rows of that engine, whatever their GPU (host time: the CPU's, not the GPU's):
     a robust (soft-L1) least-squares line in log space of the measured ms, each source weighing the
     same in all (one profiler's sweep of twelve rows must not outvote another source's one row).
     Returns (o0 s, o1 s per sequence, the row ids used)."""
@@ -176,10 +176,10 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
 
     from nereus.fidelity.catalog import engine_of
 
-    use = [r for r in fit_rows(list(rows)) if r.category == "engine" and r.metric == "host_ms_per_iteration"
+    use = [r for r in fit_rows(list(rows)) if r.category == "host" and r.metric == "host_ms_per_iteration"
            and engine_of(r.engine, r.get("vllm_engine")) == engine and (r.num("batch") or 0) >= 1]
     if len({r.num("batch") for r in use}) < 2:
-        raise SpecError(f"engine {engine!r}: fewer than two batch sizes among the fit split's engine rows")
+        raise SpecError(f"engine {engine!r}: fewer than two batch sizes among the fit split's host rows")
     b = np.array([r.num("batch") for r in use])
     ms = np.array([r.value for r in use])
     per_source = {s: sum(1 for r in use if r.source.split()[0] == s) for s in {r.source.split()[0] for r in use}}
@@ -191,3 +191,23 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
     sol = least_squares(res, np.log([1.0, 0.05]), loss="soft_l1", f_scale=0.2)
     o0, o1 = np.exp(sol.x) * 1e-3
     return float(o0), float(o1), [r.id for r in use]
+
+
+HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
+                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s"}
+"""``host`` row metric -> the CostParams field (seconds) it measures."""
+
+
+def layer_host_s(rows: Iterable[Row], metric: str) -> tuple[float, list[str]]:
+    """A per-layer host time (``HOST_LAYER_METRICS``) from the fit split's ``host`` rows of that
+    metric: the median over sources of each source's median (one source, one vote), in seconds.
+    Returns seconds and the row ids used."""
+    if metric not in HOST_LAYER_METRICS:
+        raise SpecError(f"host metric must be one of {', '.join(HOST_LAYER_METRICS)}, got {metric!r}")
+    use = [r for r in fit_rows(list(rows)) if r.category == "host" and r.metric == metric]
+    if not use:
+        raise SpecError(f"no fit-split host row of metric {metric!r}")
+    by_source: dict[str, list[float]] = {}
+    for r in use:
+        by_source.setdefault(r.source.split()[0], []).append(r.value)
+    return float(np.median([np.median(v) for v in by_source.values()])) * 1e-3, [r.id for r in use]

@@ -60,7 +60,7 @@ def row_gpu(row: Row) -> str | None:
 
 def predict(row: Row, params_for: ParamsFor) -> Prediction:
     gpu, why = resolve_gpu(row.hardware)
-    if gpu is None and row.category == "engine":  # host time: the GPU does not enter it
+    if gpu is None and row.category == "host":  # host time: the GPU does not enter it
         gpu = GPU_PRESETS["h100-80gb"]
     if gpu is None:
         return Prediction(row, None, why)
@@ -393,16 +393,21 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     raise Unsupported(f"RL stage {stage!r} not modelled")
 
 
-def _engine(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    """Host milliseconds of one decode iteration outside the forward at the row's batch:
-    ``CostParams.iteration_overhead_s`` of the row's engine."""
+def _host(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """Host milliseconds: of one decode iteration outside the forward at the row's batch
+    (``CostParams.iteration_overhead_s`` of the row's engine), or of one decoder layer per pass
+    (eager dispatch in training or in a no-grad forward; FSDP's hooks per unit)."""
+    from nereus.fidelity.fit import HOST_LAYER_METRICS
+
+    if row.metric in HOST_LAYER_METRICS:
+        return getattr(p, HOST_LAYER_METRICS[row.metric]) * 1e3
+    if row.metric != "host_ms_per_iteration":
+        raise Unsupported(f"host metric {row.metric!r} not modelled")
     b = row.num("batch")
     if b is None or b < 1:
-        raise Unsupported("engine row without a numeric batch")
-    if row.metric != "host_ms_per_iteration":
-        raise Unsupported(f"engine metric {row.metric!r} not modelled")
+        raise Unsupported("engine host row without a numeric batch")
     return p.iteration_overhead_s(engine_of(row.engine, row.get("vllm_engine")), b) * 1e3
 
 
 _PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,
-               "rl_stages": _rl, "engine": _engine}
+               "rl_stages": _rl, "host": _host}

@@ -277,12 +277,16 @@ def test_log_probabilities_pay_a_memory_bound_pass_over_the_vocabulary():
 
 
 def test_small_models_under_fsdp_are_cpu_bound_per_layer_and_micro_batch(monkeypatch):
-    """FSDP runs each decoder layer's hooks and eager launches on the CPU once per pass and micro-
-    batch (about 1 ms per unit, pytorch/pytorch#173680); overlapped with the GPU, it only shows when
-    the GPU work per micro-batch is smaller, as for 0.5-1B models with 4-8 sequences per micro-
-    batch (held-out play-verl Qwen2.5-0.5B PPO and verl Llama-3.2-1B rows), not for the 7B rows."""
+    """FSDP runs each decoder layer's hooks (1 ms per unit, pytorch/pytorch#173680) and the layer's
+    eager dispatch (about 1 ms per pass in training, 0.39 ms in a no-grad forward) on the CPU once
+    per pass and micro-batch; overlapped with the GPU, it only shows when the GPU work per micro-
+    batch is smaller, as for 0.5-1B models with 4-8 sequences per micro-batch (held-out play-verl
+    Qwen2.5-0.5B PPO and verl Llama-3.2-1B rows), not for the 7B rows."""
     p = CostParams()
-    assert fsdp_cpu_floor_s(10, 24, 3, 0.1, p) == pytest.approx(10 * 24 * 3 * 1e-3 - 0.1)
+    train, fwd = p.fsdp_unit_cpu_s + p.layer_cpu_train_s, p.fsdp_unit_cpu_s + p.layer_cpu_fwd_s
+    assert fsdp_cpu_floor_s(10, 24, 3, 0.1, p) == pytest.approx(10 * 24 * 3 * train - 0.1)
+    assert fsdp_cpu_floor_s(10, 24, 1, 0.1, p, training=False) == pytest.approx(10 * 24 * fwd - 0.1)
+    assert fwd < train
     assert fsdp_cpu_floor_s(10, 24, 1, 5.0, p) == 0.0
     small = [r for r in ROWS if r.category == "rl_stages" and r.id.startswith(("playverl", "verlbm1b"))
              and r.get("stage") in ("old_log_prob", "values", "update_actor", "update_critic")
@@ -476,7 +480,7 @@ def test_vllm_v0_iteration_overhead_is_the_host_rows_line_and_explains_its_rl_ge
     p = CostParams()
     assert p.engine_overhead_terms("vllm-v0") == pytest.approx((o0, o1), rel=0.05)
     assert p.engine_overhead_terms("vllm-v0")[1] > 2 * p.engine_overhead_terms("vllm")[1]
-    got = [predict(r, fitted_params).ratio for r in rows("engine") if r.id in used]
+    got = [predict(r, fitted_params).ratio for r in rows("host") if r.id in used]
     assert len(got) == len(used) and all(0.5 <= g <= 2 for g in got)  # the two hosts differ 1.8x
     assert statistics.median(max(g, 1 / g) for g in got) <= 1.35
     gen = [r for r in ROWS if r.id.startswith("playverl") and r.get("stage") == "gen" and r.get("vllm_engine") == "v0"]
@@ -489,3 +493,24 @@ def test_vllm_v0_iteration_overhead_is_the_host_rows_line_and_explains_its_rl_ge
         gains.append(as_v0 / as_v1)
     ppo = [g for g, r in zip(gains, gen) if r.get("algo") == "ppo"]
     assert min(ppo) > 1.4 and max(gains) == max(ppo)
+
+
+def test_per_layer_host_times_are_the_host_rows_medians_by_source():
+    """The host floor's parts come from the fit split's ``host`` rows, one vote per source
+    (``layer_host_s``): eager dispatch per layer and training pass from an eager / CUDA-graph pair
+    (Llama-3.2-1B, 0.85 ms) and a host-bound fine-tuning floor (Qwen-1.8B, 1.19 ms); per no-grad
+    forward from the pair's inference forward (0.39 ms); FSDP's hooks per unit and pass (1 ms).
+    The defaults are those medians, and a row of the wrong metric is refused."""
+    from nereus.fidelity.fit import HOST_LAYER_METRICS, layer_host_s
+
+    p = CostParams()
+    for metric, field in HOST_LAYER_METRICS.items():
+        v, used = layer_host_s(ROWS, metric)
+        assert getattr(p, field) == pytest.approx(v, rel=0.02), field
+        assert all(r.split == "fit" for r in ROWS if r.id in used)
+    _, used = layer_host_s(ROWS, "host_ms_per_layer_pass")
+    assert len({r.source.split()[0] for r in ROWS if r.id in used}) >= 2
+    assert p.layer_cpu_fwd_s < p.layer_cpu_train_s
+    with pytest.raises(SpecError, match="host metric must be one of"):
+        layer_host_s(ROWS, "host_ms_per_token")
+    assert all(predict(r, fitted_params).ratio is not None for r in rows("host"))

@@ -188,7 +188,7 @@ def test_the_vocabulary_pass_is_paid_by_the_lm_head_only_and_more_in_training():
 
 
 def test_the_fsdp_cpu_floor_counts_the_layers_of_one_pipeline_stage():
-    p = CostParams(fsdp_unit_cpu_s=0.05)  # CPU-bound on purpose
+    p = CostParams(fsdp_unit_cpu_s=0.05, layer_cpu_train_s=0.0)  # CPU-bound on purpose
     j = job(prompts=8, spp=1)
     j = replace(j, batch=replace(j.batch, mini_batches=1))
     t = {pp: estimate(j, H100, "actor/training", ParallelConfig(pp=pp, dp=8 // pp, zero=3), params=p).time_breakdown

@@ -430,7 +430,7 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
         t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
                                              bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
     if cfg.zero >= 3:
-        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p)
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p, training=False)
     if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
         t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
     resident = {"weights": model.dtype_bytes * psi}
@@ -495,17 +495,21 @@ def optimizer_offload_s(opt_share_params: float, p: CostParams) -> float:
     return 2 * opt_share_params * 8.0 / (p.host_link_gbps * 1e9)
 
 
-def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: float, p: CostParams) -> float:
+def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: float, p: CostParams,
+                     training: bool = True) -> float:
     """Time a stage run under PyTorch FSDP waits on the CPU beyond its GPU work. FSDP wraps every
     decoder layer as a unit whose pre-forward / pre-backward hooks (unshard, all-gather launch,
     stream waits, then the layer's eager kernel launches) run on the CPU once per pass per micro-
     batch: ``passes`` = 1 for a forward-only stage, 2 for forward + backward, 3 with activation
-    recomputation. CPU and GPU overlap, so only the excess of the CPU time over the GPU time
+    recomputation. Per unit and pass the CPU spends FSDP's hooks (``p.fsdp_unit_cpu_s`` = 1 ms, as
+    published for FSDP2's pre-forward on a server Xeon, pytorch/pytorch#173680) plus the layer's own
+    eager dispatch (``p.layer_cpu_train_s`` averaged over a training micro-batch's passes, or
+    ``p.layer_cpu_fwd_s`` for a no-grad forward, ``training=False``), both from the corpus's
+    ``host`` rows. CPU and GPU overlap, so only the excess of the CPU time over the GPU time
     ``gpu_s`` is added; large micro-batches of large models hide it, small models with small
-    micro-batches (RL on 0.5-1B models, a few sequences per micro-batch) are CPU-bound.
-    ``p.fsdp_unit_cpu_s`` = 1 ms per unit per pass, as published for FSDP2's pre-forward on a
-    server Xeon (pytorch/pytorch#173680: "1 ms launches", half the step time of that model)."""
-    cpu = micro_batches * layers * passes * p.fsdp_unit_cpu_s
+    micro-batches (RL on 0.5-1B models, a few sequences per micro-batch) are CPU-bound."""
+    layer = p.layer_cpu_train_s if training else p.layer_cpu_fwd_s
+    cpu = micro_batches * layers * passes * (p.fsdp_unit_cpu_s + layer)
     return max(0.0, cpu - gpu_s)
 
 

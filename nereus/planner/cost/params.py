@@ -121,9 +121,20 @@ class CostParams:
     """Extra HBM bytes per logit in training: log-softmax backward reads its output and the
     incoming gradient and writes the logits' gradient (12), cast back to bf16 (read 4, write 2)."""
     fsdp_unit_cpu_s: float = 1e-3
-    """CPU time of one FSDP unit (a decoder layer) per forward or backward pass: hooks, unshard and
-    the layer's eager launches (pytorch/pytorch#173680: about 1 ms per pre-forward, FSDP2 on a
-    server Xeon). A floor under small models' micro-batches (``fsdp_cpu_floor_s``)."""
+    """CPU time of FSDP's hooks on one unit (a decoder layer) per forward or backward pass: unshard,
+    all-gather launch, stream waits (pytorch/pytorch#173680: about 1 ms per pre-forward, FSDP2 on a
+    server Xeon; corpus ``host`` row). Part of the floor under small models' micro-batches
+    (``fsdp_cpu_floor_s``), on top of the layer's own eager dispatch below."""
+    layer_cpu_train_s: float = 1.02e-3
+    """Host time to dispatch one decoder layer's eager PyTorch ops (Hugging Face modelling code) per
+    pass of a training micro-batch, averaged over forward, recomputed forward and backward: the
+    median over the fit split's ``host`` rows by source (``nereus.fidelity.fit.layer_host_s``):
+    0.85 ms from an eager / CUDA-graph pair of Llama-3.2-1B on one GPU (stas00/ml-engineering),
+    1.19 ms from the host-bound floor of Qwen-1.8B fine-tuning on one A100 (ms-swift's benchmark).
+    Not fitted to an RL row."""
+    layer_cpu_fwd_s: float = 3.9e-4
+    """The same for one no-grad forward (log-probabilities, values): 0.39 ms per layer from the same
+    eager / CUDA-graph pair's inference forward (the fit split's one such row)."""
     workspace_gib: float = 1.0
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     host_link_gbps: float = 25.0
