@@ -20,7 +20,7 @@ import numpy as np
 from nereus.errors import SpecError
 from nereus.fidelity.catalog import engine_of
 from nereus.fidelity.corpus import Row, fit_rows
-from nereus.fidelity.predict import predict, row_gpu
+from nereus.fidelity.predict import HOST_LAYER_METRICS, predict, row_gpu
 from nereus.planner.cost.params import CostParams
 
 FITTED: tuple[tuple[str, float, float], ...] = (
@@ -191,11 +191,6 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
     sol = least_squares(res, np.log([1.0, 0.05]), loss="soft_l1", f_scale=0.2)
     o0, o1 = np.exp(sol.x) * 1e-3
     return float(o0), float(o1), [r.id for r in use]
-
-
-HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
-                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s"}
-"""``host`` row metric -> the CostParams field (seconds) it measures."""
 
 
 def layer_host_s(rows: Iterable[Row], metric: str) -> tuple[float, list[str]]:

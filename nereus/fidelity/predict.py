@@ -393,12 +393,15 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     raise Unsupported(f"RL stage {stage!r} not modelled")
 
 
+HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
+                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s"}
+"""``host`` row metric -> the CostParams field (seconds) it measures."""
+
+
 def _host(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     """Host milliseconds: of one decode iteration outside the forward at the row's batch
     (``CostParams.iteration_overhead_s`` of the row's engine), or of one decoder layer per pass
     (eager dispatch in training or in a no-grad forward; FSDP's hooks per unit)."""
-    from nereus.fidelity.fit import HOST_LAYER_METRICS
-
     if row.metric in HOST_LAYER_METRICS:
         return getattr(p, HOST_LAYER_METRICS[row.metric]) * 1e3
     if row.metric != "host_ms_per_iteration":

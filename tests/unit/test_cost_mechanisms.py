@@ -501,7 +501,8 @@ def test_per_layer_host_times_are_the_host_rows_medians_by_source():
     (Llama-3.2-1B, 0.85 ms) and a host-bound fine-tuning floor (Qwen-1.8B, 1.19 ms); per no-grad
     forward from the pair's inference forward (0.39 ms); FSDP's hooks per unit and pass (1 ms).
     The defaults are those medians, and a row of the wrong metric is refused."""
-    from nereus.fidelity.fit import HOST_LAYER_METRICS, layer_host_s
+    from nereus.fidelity.fit import layer_host_s
+    from nereus.fidelity.predict import HOST_LAYER_METRICS
 
     p = CostParams()
     for metric, field in HOST_LAYER_METRICS.items():
