@@ -64,6 +64,11 @@ class StageOptions:
     - ``pad_to``: every sequence of a training / inference micro-batch is padded to this many
       tokens (verl with ``use_remove_padding=False`` pads prompts to ``max_prompt_length`` and
       responses to ``max_response_length``); 0: the tokens actually there (remove-padding / packing).
+      A padded batch reaches Hugging Face's flash-attention path with its padding mask, which
+      unpads it again in every layer (``_get_unpad_data``: ``nonzero`` and ``.item()``, a host-
+      device synchronisation per layer; huggingface/transformers#28160, Dao-AILab/flash-attention
+      #1454), so under FSDP the host's per-layer time adds to the GPU's instead of hiding under it
+      (``fsdp_cpu_floor_s(synced=True)``).
     - ``param_offload``: ``none``; ``per_call`` (verl ``fsdp_config.param_offload`` of an actor or
       critic: the shard is loaded to the GPU before each call and offloaded after it); or
       ``per_micro_batch`` (PyTorch FSDP ``CPUOffload(offload_params=True)``, which verl uses for a
@@ -325,7 +330,8 @@ def _training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg
     if o.optimizer_offload:
         t["optimizer_offload"] = optimizer_offload_s(opt_share, p)
     if cfg.zero >= 3:
-        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p)
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p,
+                                               synced=o.pad_to > 0)
     if p.micro_batch_overhead_s or p.optimizer_step_overhead_s:  # host overheads (0 on the GPU presets)
         passes = 4 if cfg.recompute else 3  # forward, backward (2x), and the forward again when recomputing
         t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * math.ceil(L / pp) / L
@@ -430,7 +436,8 @@ def _inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelCon
         t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
                                              bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
     if cfg.zero >= 3:
-        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p, training=False)
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p, training=False,
+                                               synced=o.pad_to > 0)
     if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
         t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
     resident = {"weights": model.dtype_bytes * psi}
@@ -496,7 +503,7 @@ def optimizer_offload_s(opt_share_params: float, p: CostParams) -> float:
 
 
 def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: float, p: CostParams,
-                     training: bool = True) -> float:
+                     training: bool = True, synced: bool = False) -> float:
     """Time a stage run under PyTorch FSDP waits on the CPU beyond its GPU work. FSDP wraps every
     decoder layer as a unit whose pre-forward / pre-backward hooks (unshard, all-gather launch,
     stream waits, then the layer's eager kernel launches) run on the CPU once per pass per micro-
@@ -507,10 +514,12 @@ def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: floa
     ``p.layer_cpu_fwd_s`` for a no-grad forward, ``training=False``), both from the corpus's
     ``host`` rows. CPU and GPU overlap, so only the excess of the CPU time over the GPU time
     ``gpu_s`` is added; large micro-batches of large models hide it, small models with small
-    micro-batches (RL on 0.5-1B models, a few sequences per micro-batch) are CPU-bound."""
+    micro-batches (RL on 0.5-1B models, a few sequences per micro-batch) are CPU-bound.
+    ``synced``: every layer synchronises host and device (a padded batch in Hugging Face's flash-
+    attention path, ``StageOptions.pad_to``), so the host never runs ahead: all of it is added."""
     layer = p.layer_cpu_train_s if training else p.layer_cpu_fwd_s
     cpu = micro_batches * layers * passes * (p.fsdp_unit_cpu_s + layer)
-    return max(0.0, cpu - gpu_s)
+    return cpu if synced else max(0.0, cpu - gpu_s)
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
