@@ -174,8 +174,6 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
     Returns (o0 s, o1 s per sequence, the row ids used)."""
     from scipy.optimize import least_squares
 
-    from nereus.fidelity.catalog import engine_of
-
     use = [r for r in fit_rows(list(rows)) if r.category == "host" and r.metric == "host_ms_per_iteration"
            and engine_of(r.engine, r.get("vllm_engine")) == engine and (r.num("batch") or 0) >= 1]
     if len({r.num("batch") for r in use}) < 2:
