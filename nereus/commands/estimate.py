@@ -38,6 +38,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "iteration")
     p.add_argument("--response-len-mean", type=pos_float)
     p.add_argument("--response-len-max", type=pos_int)
+    g = p.add_argument_group("framework settings (verl's FSDP workers)")
+    g.add_argument("--no-remove-padding", action="store_true",
+                   help="every sequence padded to prompt + max response (verl use_remove_padding=False); under "
+                        "FSDP each layer then synchronises host and device (Hugging Face's flash-attention unpadding)")
+    g.add_argument("--param-offload", choices=("none", "per_call", "per_micro_batch"), default="none",
+                   help="parameters in host memory: loaded for each call (verl fsdp_config.param_offload of an "
+                        "actor or critic) or for each micro-batch (FSDP CPUOffload, verl's offloaded reference)")
+    g.add_argument("--grad-sync", choices=("step", "micro_batch"), default="step",
+                   help="gradients reduced once per optimizer step, or after every micro-batch (FSDP without "
+                        "no_sync, verl's default)")
+    g.add_argument("--grad-reduce-fp32", action="store_true",
+                   help="gradients reduced in fp32 (verl FSDP mixed_precision.reduce_dtype)")
     p.add_argument("--json", metavar="OUT", help="write the estimate as JSON")
     return p
 
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from nereus.errors import InfeasibleError
-    from nereus.planner.cost.model import estimate
+    from nereus.planner.cost.model import StageOptions, estimate
     from nereus.planner.specs import ParallelConfig
 
     job, cluster, params = load_specs(args)
@@ -80,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         w = w.with_lengths(mean=args.response_len_mean, max_=args.response_len_max)
     cfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
                          recompute=args.recompute, sp=args.sp, cp=args.cp, token_budget=args.token_budget or 0)
-    e = estimate(job, cluster, args.model_stage, cfg, w, params)
+    opts = StageOptions(pad_to=job.sequence.prompt_len + w.response_len_max if args.no_remove_padding else 0,
+                        param_offload=args.param_offload, grad_sync=args.grad_sync,
+                        grad_reduce_bytes=4 if args.grad_reduce_fp32 else 0)
+    e = estimate(job, cluster, args.model_stage, cfg, w, params, options=opts)
     if args.offload:
         e = with_offload(e, params)
     con = console()

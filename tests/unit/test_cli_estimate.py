@@ -114,3 +114,30 @@ def test_estimate_vllm_v0_engine_pays_more_per_running_sequence(tmp_path):
     assert v0 > 1.4 * v1  # the running batch shrinks as responses end: not 128 throughout
     r = nereus("estimate", *BASE, "--model-stage", "actor/generation", "--engine", "vllm-v2")
     assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_estimate_takes_verl_fsdp_worker_settings(tmp_path):
+    """--no-remove-padding pads every sequence to prompt + max response (more compute) and, under FSDP,
+    adds the host floor whole; --param-offload per_call pays the host link; --grad-sync micro_batch
+    with --grad-reduce-fp32 reduces fp32 gradients after every micro-batch."""
+    job = tmp_path / "grpo-0.5b.yaml"
+    job.write_text("algorithm: grpo\nmodels: {actor: qwen2.5-0.5b, ref: qwen2.5-0.5b}\n"
+                   "batch: {prompts: 256, samples_per_prompt: 2, mini_batches: 4}\n"
+                   "sequence: {prompt_len: 105, response_len_mean: 188, response_len_max: 192}\n")
+
+    def run(*extra):
+        out = tmp_path / f"e{len(list(tmp_path.iterdir()))}.json"
+        r = nereus("estimate", "--job", str(job), "--cluster", "examples/cluster-h100-1n.yaml", "--profile", "h100-80gb",
+                   "--model-stage", "actor/training", "--dp", "8", "--zero", "3", "--micro-batch", "4", "--recompute",
+                   "--json", str(out), *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())["time_breakdown"]
+
+    base, padded = run(), run("--no-remove-padding")
+    assert padded["compute"] > base["compute"]
+    assert padded["fsdp_cpu_bound"] > base.get("fsdp_cpu_bound", 0.0)
+    assert run("--param-offload", "per_call")["param_offload"] > 0 and "param_offload" not in base
+    synced = run("--grad-sync", "micro_batch", "--grad-reduce-fp32")
+    assert synced["dp_grad_sync"] > 2 * base["dp_grad_sync"]
+    r = nereus("estimate", *BASE, "--model-stage", "actor/training", "--param-offload", "always")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
