@@ -73,3 +73,11 @@ def test_hf_config_errors(tmp_path):
 def test_unknown_preset_lists_known():
     with pytest.raises(SpecError, match="llama-3.1-8b"):
         preset("llama-9")
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen2.5-0.5b", 0.49), ("qwen2.5-1.5b", 1.54), ("qwen2.5-3b", 3.09), ("llama-3.2-1b", 1.24),
+    ("llama-3.2-3b", 3.21), ("qwen3-0.6b", 0.6), ("qwen3-4b", 4.0)])
+def test_small_presets_have_their_published_parameter_counts(name, billions):
+    """The small models' presets (tied embeddings counted once) match their model cards' sizes."""
+    assert preset(name).num_params() / 1e9 == pytest.approx(billions, rel=0.02)
