@@ -28,7 +28,7 @@ import numpy as np
 
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key, workload_key
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, workload_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator.schedules import SCHEDULE_MAX_GPUS
 from nereus.simulator.truth.machine import LayoutChangePrices, Observation
@@ -65,7 +65,7 @@ class ModelWorld:
         self._stages = job.model_stages()
 
     def times(self, plan: Plan, w: Workload) -> PlanTimes:
-        key = (plan_key(plan), workload_key(w))
+        key = (plan.key(), workload_key(w))
         hit = self._times.get(key)
         if hit is None:
             hit = self._times[key] = evaluate_times(self.job, self.cluster, plan, w, self.params)

@@ -32,7 +32,7 @@ from fractions import Fraction
 import numpy as np
 
 from nereus.planner.plan import Plan
-from nereus.simulator.truth.machine import GroundTruth, plan_key
+from nereus.simulator.truth.machine import GroundTruth
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +169,7 @@ def complete_families(plans: list[Plan], gpu_counts: list[int], scale) -> list[P
     fams: dict[tuple, list[Plan]] = {}
     for p in plans:
         fams.setdefault(family(p), []).append(p)
-    have = {plan_key(p) for p in plans}
+    have = {p.key() for p in plans}
     out = list(plans)
     for members in fams.values():
         counts = {p.num_gpus for p in members}
@@ -177,8 +177,8 @@ def complete_families(plans: list[Plan], gpu_counts: list[int], scale) -> list[P
             if g in counts:
                 continue
             q = scale(members[0], g)
-            if q is not None and plan_key(q) not in have:
-                have.add(plan_key(q))
+            if q is not None and q.key() not in have:
+                have.add(q.key())
                 out.append(q)
     return out
 

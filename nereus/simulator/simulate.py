@@ -36,7 +36,7 @@ from nereus.simulator.policies import (OFFLINE, ONLINE, POLICIES, RESTART_MODE, 
                                       naive_fix, naive_plan, rescale_naive)
 from nereus.simulator.schedules import TransitionSchedules
 from nereus.simulator.trace import Trace
-from nereus.simulator.truth.machine import GroundTruth, Observation, plan_key
+from nereus.simulator.truth.machine import GroundTruth, Observation
 
 SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1))
 """The solver's option set in simulation: four generation KV-budget levels instead of seven (the
@@ -128,7 +128,7 @@ class _Run:
         self.plan_list: list[Plan] = []
 
     def use(self, plan: Plan) -> int:
-        k = plan_key(plan)
+        k = plan.key()
         if k not in self.plans:
             self.plans[k] = len(self.plan_list)
             self.plan_list.append(plan)
@@ -242,17 +242,17 @@ def offline_candidates(job: JobSpec, results: Iterable[PolicyResult], picked: It
         if r.policy == "static-naive" or r.note:
             continue  # relaunch-only plans (ZeRO-3 everywhere): no live transition reaches them
         for k, p in enumerate(r.plans):
-            key = plan_key(p)
+            key = p.key()
             if key not in cands:
                 cands[key] = p
             j = list(cands).index(key)
             used.setdefault(j, set()).update(i for i, x in enumerate(r.plan_index) if x == k)
     n_used = len(cands)
     for p in picked:
-        cands.setdefault(plan_key(p), p)
+        cands.setdefault(p.key(), p)
     for p in list(cands.values()):
         for q in offline.gen_tp_variants(p, job.model("actor").heads, gpus_per_node):
-            cands.setdefault(plan_key(q), q)
+            cands.setdefault(q.key(), q)
     out = list(cands.values())
     return out, list(range(n_used, len(out))), used
 

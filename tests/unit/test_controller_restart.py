@@ -15,7 +15,6 @@ import pytest
 
 from nereus.errors import NereusError
 from nereus.frameworks import emit, launch_config
-from nereus.planner.cost.plan_times import plan_key
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.online.restart import RestartCost, checkpoint_bytes, restart_seconds
 from nereus.planner.solver import solve
@@ -121,4 +120,4 @@ def test_restart_mode_arguments_are_checked(env):
     with pytest.raises(NereusError, match="emitter"):
         _ctl(env, transition_mode="restart", framework="verl")
     ctl = _ctl(env, transition_mode="restart")
-    assert plan_key(ctl.plan) and ctl.build_transition is False
+    assert ctl.plan.key() and ctl.build_transition is False

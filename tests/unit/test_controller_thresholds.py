@@ -15,7 +15,6 @@ import math
 
 import pytest
 
-from nereus.planner.cost.plan_times import plan_key
 from nereus.planner.online.calibration import OnlineCalibration
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.online.plan_cache import tp_pp_of
@@ -251,7 +250,7 @@ def test_unpredicted_oom_forces_a_must_switch_off_the_failed_plan(env):
     d1 = ctl.step(_metrics(env, 1, failed, oom=True))
     assert d1.must and d1.action == "switch", d1.reason
     assert "ran out of memory" in d1.reason
-    assert plan_key(d1.plan) != plan_key(failed) and ctl.plan is d1.plan
+    assert d1.plan.key() != failed.key() and ctl.plan is d1.plan
     rec = ctl.audit.records[-1]
     assert rec["must"] is True
     cands = [c for c in rec["candidates"] if c["horizon_s"] is not None and c["transition_s"] is not None]
@@ -273,7 +272,7 @@ def test_repeated_oom_on_the_solvers_own_optimum_moves_off_that_plan(env):
     for s in range(1, 4):
         ds.append(ctl.step(_metrics(env, s, ctl.plan, oom=True)))
     assert all(d.must for d in ds[1:])
-    assert any(d.action == "switch" and plan_key(d.plan) != plan_key(start) for d in ds[1:]), \
+    assert any(d.action == "switch" and d.plan.key() != start.key() for d in ds[1:]), \
         [(d.action, d.feasible, d.reason) for d in ds]
 
 

@@ -126,7 +126,6 @@ def test_forked_runs_hand_the_offline_policies_the_solver_picks_a_serial_run_mak
     from nereus.planner.cost.params import CostParams
     from nereus.planner.online.plan_cache import PlanCache
     from nereus.simulator import simulate as sim
-    from nereus.simulator.truth.machine import plan_key
 
     job, cluster, gt = world
     seen = {}
@@ -142,4 +141,4 @@ def test_forked_runs_hand_the_offline_policies_the_solver_picks_a_serial_run_mak
     picked, seconds = seen["picked"]
     want = sim.offline_picks(job, trace, PlanCache(job, cluster, time_limit_s=2, seed=0,
                                                    candidates=sim.SIM_CANDIDATES), CostParams())
-    assert seconds > 0 and picked and [plan_key(p) for p in picked] == [plan_key(p) for p in want]
+    assert seconds > 0 and picked and [p.key() for p in picked] == [p.key() for p in want]

@@ -25,11 +25,6 @@ from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 GiB = 1024**3
 
 
-def plan_key(plan: Plan) -> tuple:
-    """Everything about a plan that changes its time or memory (``Plan.key``)."""
-    return plan.key()
-
-
 def workload_key(w: Workload) -> tuple:
     return (w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90)
 

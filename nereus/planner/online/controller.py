@@ -53,7 +53,7 @@ from nereus.planner.online.forecast import LengthForecaster
 from nereus.planner.plan import GiB, Plan, StagePlacement
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
 from nereus.planner.online.restart import TRANSITION_MODES, Emitter, RestartCost, restart_seconds
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, plan_key
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 MODES = ("adaptive", "always")
@@ -153,7 +153,7 @@ class Controller:
                 raise NereusError(f"controller: no feasible {rule.name} plan for the initial workload on {self.gpus} "
                                   f"GPUs ({self.plans.last_message})")
         self.plan = initial_plan
-        self._library[plan_key(initial_plan)] = (initial_plan, "initial")
+        self._library[initial_plan.key()] = (initial_plan, "initial")
 
     # ---- public API ------------------------------------------------------------------------------
     def step(self, m: StepMetrics) -> Decision:
@@ -234,30 +234,26 @@ class Controller:
         return replace(b, prompt_len=int(m.prompt_len or b.prompt_len), response_len_mean=float(m.response_len_mean),
                        response_len_max=mx, response_len_p90=p90)
 
-    def _pkey(self, plan: Plan) -> tuple:
-        """``plan_key`` memoised per plan object (plans are frozen; the controller asks often)."""
+    def _stage_info(self, plan: Plan) -> tuple:
+        """Each stage's name, key and features, memoised per plan object (plans are frozen; the
+        controller asks often)."""
         hit = self._keys.get(id(plan))
         if hit is None or hit[0] is not plan:
             if len(self._keys) > 4096:
                 self._keys.clear()
-            hit = self._keys[id(plan)] = (plan, plan_key(plan),
-                                          tuple((s.name, _stage_key(s), features(s)) for s in plan.stages))
+            hit = self._keys[id(plan)] = (plan, tuple((s.name, _stage_key(s), features(s)) for s in plan.stages))
         return hit[1]
-
-    def _stage_info(self, plan: Plan) -> tuple:
-        self._pkey(plan)
-        return self._keys[id(plan)][2]
 
     def _reserve_for(self, plan: Plan) -> float:
         """Memory held back when judging ``plan``: its own measured underestimate once it has run
         (a plan that ran out of memory keeps all of it), else the reserve calibration learned."""
-        return self._plan_reserve.get(self._pkey(plan), self._reserve)
+        return self._plan_reserve.get(plan.key(), self._reserve)
 
     def _times(self, plan: Plan, w: Workload) -> PlanTimes:
         """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
         reserve (cached per plan, workload and reserve)."""
         r = self._reserve_for(plan)
-        key = (self._pkey(plan), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, r)
+        key = (plan.key(), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, r)
         t = self._eval.get(key)
         if t is None:
             if len(self._eval) > 20000:
@@ -276,7 +272,7 @@ class Controller:
         pred = self._times(self.plan, w)
         peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
         usable = self.cluster.gpu.usable_bytes / GiB
-        key = plan_key(self.plan)
+        key = self.plan.key()
         q = self._mem_quantum()
         if m.oom:
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
@@ -329,7 +325,7 @@ class Controller:
     def _proven(self, plan: Plan, w: Workload, slack: float = 0.05) -> bool:
         """Measurement beats the memory model: ``plan`` already ran without OOM at ``w``'s cap and a
         mean length within ``slack`` of ``w``'s."""
-        ev = self._ran_ok.get(self._pkey(plan))
+        ev = self._ran_ok.get(plan.key())
         return ev is not None and ev[0] == w.response_len_max and w.response_len_mean <= ev[1] * (1 + slack)
 
     def _corrected(self, plan: Plan, stage_s, kappa: float = 0.0) -> dict[str, float]:
@@ -387,7 +383,7 @@ class Controller:
     def restart_cost_s(self, a: Plan, b: Plan) -> float:
         """Predicted seconds of switching a -> b by checkpoint and relaunch (0 when the launch
         configuration does not change), x the transition calibration learned from reported restarts."""
-        if plan_key(a) == plan_key(b):
+        if a.key() == b.key():
             return 0.0
         key = (a.layout_key(), b.layout_key())  # the raw estimate, which report_transition calibrates
         c = self._cost.get(key)
@@ -444,12 +440,12 @@ class Controller:
                 # the same plan with the other generation TPs: the solver ranks them with stage-level
                 # factors only, the controller with the per-config and shape corrections it learned
                 for q in gen_tp_variants(p, self.job.model("actor"), self.cluster.gpus_per_node):
-                    if plan_key(q) not in self._library:
+                    if q.key() not in self._library:
                         self._add(q, "gen-tp")
 
     def _add(self, p: Plan, origin: str) -> None:
-        self._library.pop(plan_key(p), None)
-        self._library[plan_key(p)] = (p, origin)
+        self._library.pop(p.key(), None)
+        self._library[p.key()] = (p, origin)
         while len(self._library) > self.library_size:
             self._library.pop(next(iter(self._library)))
 
@@ -464,7 +460,7 @@ class Controller:
             if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
                 # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
                 self._ask("keep-layout", keep_layout(self.plan), ws[len(ws) // 2])
-        cur = plan_key(self.plan)
+        cur = self.plan.key()
         cur_s = self._cur_horizon_s
         out = []
         for key, (p, origin) in self._library.items():

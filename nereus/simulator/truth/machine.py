@@ -84,11 +84,6 @@ class LayoutChangePrices:
             self._seen.setdefault(key, float(t))
 
 
-def plan_key(plan: Plan) -> tuple:
-    """A plan's layout and knobs (``Plan.key``): the truth's cache key of a plan."""
-    return plan.key()
-
-
 class GroundTruth:
     """The simulated machine for one job, cluster and trace (see the module docstring).
 
@@ -144,7 +139,7 @@ class GroundTruth:
 
     # ---- per-plan structure ----------------------------------------------------------------------
     def _info(self, plan: Plan) -> dict:
-        key = plan_key(plan)
+        key = plan.key()
         hit = self._plans.get(key)
         if hit is not None:
             return hit
@@ -337,7 +332,7 @@ class GroundTruth:
     def switch_restart_s(self, a: Plan, b: Plan) -> float:
         """Seconds of a planned switch a -> b by checkpoint and relaunch (restart mode): the trainable
         models' states written from a's nodes, then a relaunch on b. 0 when nothing changes."""
-        if plan_key(a) == plan_key(b):
+        if a.key() == b.key():
             return 0.0
         saved = sum(self._checkpoint_bytes(role) for role in self.job.roles if role in TRAINABLE)
         return network.checkpoint_save_s(saved, self._nodes(a)) + self.restart_s(b)
