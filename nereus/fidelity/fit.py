@@ -180,8 +180,8 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
         raise SpecError(f"engine {engine!r}: fewer than two batch sizes among the fit split's host rows")
     b = np.array([r.num("batch") for r in use])
     ms = np.array([r.value for r in use])
-    per_source = {s: sum(1 for r in use if r.source.split()[0] == s) for s in {r.source.split()[0] for r in use}}
-    w = np.sqrt([1.0 / per_source[r.source.split()[0]] for r in use])  # each source weighs the same in all
+    n = _by_source(use)
+    w = np.sqrt([1.0 / len(n[_source(r)]) for r in use])  # each source weighs the same in all
 
     def res(x: np.ndarray) -> np.ndarray:
         return w * (np.log(np.exp(x[0]) + np.exp(x[1]) * b) - np.log(ms))
@@ -200,7 +200,17 @@ def layer_host_s(rows: Iterable[Row], metric: str) -> tuple[float, list[str]]:
     use = [r for r in fit_rows(list(rows)) if r.category == "host" and r.metric == metric]
     if not use:
         raise SpecError(f"no fit-split host row of metric {metric!r}")
-    by_source: dict[str, list[float]] = {}
-    for r in use:
-        by_source.setdefault(r.source.split()[0], []).append(r.value)
-    return float(np.median([np.median(v) for v in by_source.values()])) * 1e-3, [r.id for r in use]
+    return float(np.median([np.median(v) for v in _by_source(use).values()])) * 1e-3, [r.id for r in use]
+
+
+def _source(r: Row) -> str:
+    """A row's source for one-vote-per-source fits: its first word (a repository, ``owner/repo#N``
+    or URL; the files of one repository count once)."""
+    return r.source.split()[0]
+
+
+def _by_source(rows: list[Row]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        out.setdefault(_source(r), []).append(r.value)
+    return out

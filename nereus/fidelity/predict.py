@@ -60,8 +60,11 @@ def row_gpu(row: Row) -> str | None:
 
 def predict(row: Row, params_for: ParamsFor) -> Prediction:
     gpu, why = resolve_gpu(row.hardware)
-    if gpu is None and row.category == "host":  # host time: the GPU does not enter it
-        gpu = GPU_PRESETS["h100-80gb"]
+    if gpu is None and row.category == "host":  # host time: no GPU enters it; the defaults hold the host fits
+        try:
+            return Prediction(row, _host(row, None, CostParams()), "", "analytic")
+        except Unsupported as e:
+            return Prediction(row, None, str(e), "analytic")
     if gpu is None:
         return Prediction(row, None, why)
     prof = profile_gpu(gpu)
@@ -398,7 +401,7 @@ HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_pe
 """``host`` row metric -> the CostParams field (seconds) it measures."""
 
 
-def _host(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+def _host(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
     """Host milliseconds: of one decode iteration outside the forward at the row's batch
     (``CostParams.iteration_overhead_s`` of the row's engine), or of one decoder layer per pass
     (eager dispatch in training or in a no-grad forward; FSDP's hooks per unit)."""

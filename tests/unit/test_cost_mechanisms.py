@@ -543,3 +543,56 @@ def test_padded_batches_synchronise_every_layer_so_host_time_adds_to_gpu_time(mo
     assert all(s >= o for s, o in zip(synced, overlapped)) and statistics.median(synced) > 1.1 * statistics.median(overlapped)
     assert max(synced) <= 1.2
     assert same == pytest.approx(same_without, rel=1e-12)
+
+
+def test_host_fits_give_each_source_one_vote():
+    """``layer_host_s`` takes the median over sources of each source's median, and
+    ``engine_host_overhead`` weighs each source the same: a source that repeats a figure many
+    times does not outvote another (checked on copies of the corpus's own host rows; the robust loss
+    keeps the engine line within 5% of one vote rather than exactly on it)."""
+    from nereus.fidelity.fit import engine_host_overhead, layer_host_s
+
+    pair = next(r for r in ROWS if r.id == "mleng-train")
+    floor = next(r for r in ROWS if r.id == "swift-train")
+    many = [replace(pair, id=f"mleng-copy-{i}", value=pair.value * 0.5) for i in range(5)]
+    v, _ = layer_host_s([floor, *many], "host_ms_per_layer_pass")
+    assert v == pytest.approx(statistics.median([pair.value * 0.5, floor.value]) * 1e-3)
+    engine = [r for r in ROWS if r.category == "host" and r.metric == "host_ms_per_iteration"]
+    base = engine_host_overhead(ROWS, "vllm-v0")
+    lone = next(r for r in engine if r.id == "vllm6801-001")
+    doubled = engine_host_overhead(ROWS + [replace(lone, id=f"vllm6801-copy-{i}") for i in range(11)], "vllm-v0")
+    # twelve copies of one source: still about one vote (exactly one under a squared loss; soft-L1 bends it)
+    assert doubled[:2] == pytest.approx(base[:2], rel=0.05)
+
+
+def test_rl_rows_reach_the_engine_with_their_rollout_settings():
+    """An RL row's rollout settings reach the job: its ``gpu_memory_utilization``, its
+    ``max_num_seqs`` or verl's default 1024 on a verl row (vLLM's own 256 elsewhere), its engine."""
+    from nereus.fidelity.catalog import resolve_model
+    from nereus.fidelity.predict import VERL_MAX_NUM_SEQS, rl_job
+
+    verl = next(r for r in ROWS if r.id == "playverl-001")
+    job, _ = rl_job(verl, resolve_model(verl.model)[0])
+    assert job.rollout.gpu_memory_utilization == pytest.approx(0.6) and job.rollout.max_num_seqs == VERL_MAX_NUM_SEQS == 1024
+    assert job.rollout.engine == "vllm-v0" and job.rollout.enforce_eager
+    nemo = next(r for r in ROWS if r.category == "rl_stages" and r.engine.startswith("NeMo") and r.num("mean_response_len"))
+    job, _ = rl_job(nemo, resolve_model(nemo.model)[0])
+    assert job.rollout.max_num_seqs == 256 and job.rollout.engine == "vllm"
+    assert job.rollout.gpu_memory_utilization == pytest.approx(nemo.num("gpu_memory_utilization"))
+
+
+@pytest.mark.parametrize("gpu", ["h100-80gb", "mi300x"])
+def test_profile_fits_start_engines_from_their_defaults_and_keep_the_unseen_ones(gpu):
+    """``fit_profile_params`` fits an engine its GPU's rows show from that engine's default (vLLM V0:
+    the host-row line; MI300X's V0 rows move it), keeps the default of an engine they do not show
+    (H100 has no V0 decode row), and the shipped profiles are what it gives."""
+    fitted, record = fit_profile_params(ROWS, gpu)
+    shipped = dict((e, (a, b)) for e, a, b in fitted_params(gpu).engine_overhead)
+    mine = dict((e, (a, b)) for e, a, b in fitted.engine_overhead)
+    assert set(mine) == set(shipped) and "vllm-v0" in mine
+    for e in mine:
+        assert mine[e] == pytest.approx(shipped[e], rel=1e-6), e
+    if "vllm-v0" in record["engines"]:
+        assert mine["vllm-v0"] != pytest.approx(CostParams().engine_overhead_terms("vllm-v0"), rel=0.01)
+    else:
+        assert mine["vllm-v0"] == CostParams().engine_overhead_terms("vllm-v0")
