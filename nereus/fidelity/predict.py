@@ -384,15 +384,25 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
         cfg, opts = stage_settings(row, ms, tp, pp, gpus // (tp * pp), fsdp)
         return estimate(job, cluster, ms, cfg, w, p, options=opts).time_s
 
+    sync = weight_sync_s(model, train, gen, cluster, True, p)
+    if stage == "generate_sequences":
+        # verl's worker-side timer: the engine's generate call alone, inside the rollout sharding
+        # manager, whose entry (wake-up, weight sync) and exit (sleep) it leaves out
+        e = estimate(job, cluster, "actor/generation", gen, w, p)
+        return e.time_s - e.time_breakdown.get("engine_wake_sleep", 0.0)
+    if stage == "gen" and row.engine.lower().startswith("verl"):
+        # verl's trainer-side timer covers the whole generate_sequences call: wake-up, the actor ->
+        # rollout weight sync, generation, sleep
+        return stage_s("actor/generation") + sync
     if stage in RL_STAGES:
         ms = RL_STAGES[stage]
         if ms not in job.model_stages():
             raise Unsupported(f"stage {stage} has no model-stage in this job")
         return stage_s(ms)
     if stage == "update_weights":
-        return weight_sync_s(model, train, gen, cluster, True, p)
+        return sync
     if stage == "step":
-        return sum(stage_s(ms) for ms in job.model_stages()) + weight_sync_s(model, train, gen, cluster, True, p)
+        return sum(stage_s(ms) for ms in job.model_stages()) + sync
     raise Unsupported(f"RL stage {stage!r} not modelled")
 
 

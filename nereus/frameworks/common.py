@@ -91,6 +91,20 @@ class Emission:
         return "\n".join(out) + "\n"
 
 
+def engine_notes(job, framework: str, runs: str, has: tuple[str, ...]) -> tuple[str, ...]:
+    """What an emitted launch changes of the job's generation engine (``job.rollout.engine``):
+    ``framework``'s pinned vLLM release ``runs`` has only the V1 engine, so a job priced on vLLM's V0
+    generates on V1; an engine outside ``has`` (the framework's rollout backends) runs on vLLM."""
+    e = job.rollout.engine
+    if e == "vllm-v0":
+        return (f"The job prices generation on vLLM's V0 engine; {framework} pins vLLM {runs}, which has only the "
+                f"V1 engine: generation runs on V1 (set `engine: vllm` and re-plan for {framework}'s figures).",)
+    if e not in has:
+        return (f"The job prices generation on {e!r}, which {framework} does not offer (its rollout engines: "
+                f"{', '.join(has)}): generation runs on vLLM (set `engine: vllm` and re-plan for its figures).",)
+    return ()
+
+
 def describe(s: StagePlacement) -> str:
     c = s.config
     extra = "" if s.stage == "generation" else f", mb {c.micro_batch}" + (

@@ -20,13 +20,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, generation_memory_fraction,
+from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, engine_notes, generation_memory_fraction,
                                       gpu_range, micro_batch_tokens, nodes_and_gpus, offloaded, overlap, packs_tokens,
                                       same_gpus, units)
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ParallelConfig
 
 VERSION = "0.11.2"
+VLLM = "0.29.0"
+"""The vLLM release OpenRLHF 0.11.2 pins (its ``vllm`` extra); its rollouts run on vLLM only."""
 COMMAND = ("python3", "-m", "openrlhf.cli.train_ppo_ray")
 DEEPSPEED = ("actor/training", "ref/inference", "critic/training", "reward/inference")
 PAIRS = (frozenset({"actor/training", "ref/inference"}), frozenset({"critic/training", "reward/inference"}))
@@ -246,6 +248,8 @@ def flags(problem, plan: Plan, *, dynamic_bsz: bool = False) -> tuple[str, ...]:
     out += ["--vllm.num_engines", str(g.config.dp), "--vllm.tensor_parallel_size", str(g.config.tp),
             "--vllm.gpu_memory_utilization", f"{generation_memory_fraction(job, cluster, plan, w, problem.params):.2f}",
             "--ds.zero_stage", str(actor.config.zero), "--ds.tensor_parallel_size", str(actor.config.tp)]
+    if job.rollout.enforce_eager:  # priced without CUDA graphs: keep vLLM the same
+        out.append("--vllm.enforce_eager")
     if actor.config.cp > 1:  # OpenRLHF's ring attention is context parallelism
         out += ["--ds.ring_attn_size", str(actor.config.cp)]
     a_inf = plan.stage("actor/inference")
@@ -279,7 +283,8 @@ def emit(problem, optimum: Plan, solve, *, dynamic_bsz: bool = False) -> Emissio
     notes = ("Ray picks which GPUs each model gets; the plan's pool sizes are kept.",
              f"Add --actor.model_name_or_path, {'--critic.model_name_or_path, ' if 'critic' in problem.job.roles else ''}"
              f"{reward} and --data.prompt_dataset as arguments (\"$@\" passes them on); submit with "
-             "`ray job submit -- bash <this file>`.")
+             "`ray job submit -- bash <this file>`.",
+             *engine_notes(problem.job, "OpenRLHF", VLLM, ("vllm",)))
     return Emission(framework="openrlhf", version=VERSION, variant=variant(plan), command=COMMAND,
                     args=flags(problem, plan, dynamic_bsz=dynamic_bsz), plan=plan, optimum=optimum, gaps=plan_gaps,
                     notes=notes, tried=tried)

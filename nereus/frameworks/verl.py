@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nereus.errors import InfeasibleError
-from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, flag, gpu_range,
+from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, engine_notes, flag, gpu_range,
                                       generation_memory_fraction, nodes_and_gpus, offloaded, overlap, same_gpus,
                                       micro_batch_tokens, packs_tokens, stage_memory_fraction, units)
 from nereus.planner.plan import Plan
@@ -28,6 +28,11 @@ from nereus.planner.plan import Plan
 VERSION = "0.9.1"
 ENGINES = ("megatron", "fsdp")
 COMMAND = ("python3", "-m", "verl.trainer.main_ppo")
+VLLM = "0.24.0"
+"""The vLLM release verl 0.9.1 pins (its ``vllm`` extra)."""
+ROLLOUT_NAME = {"vllm": "vllm", "vllm-v0": "vllm", "sglang": "sglang", "tensorrt-llm": "trtllm"}
+"""The job's generation engine -> ``actor_rollout_ref.rollout.name`` (verl 0.9.1's rollout registry:
+vllm, sglang, trtllm); an engine verl lacks (``static``) runs on vLLM, with a note."""
 SHARED = ("actor/training", "ref/inference", "critic/training")
 """Built in one process per GPU: one Megatron parallel state."""
 ROLE_PREFIX = {"actor/training": "actor_rollout_ref.actor", "ref/inference": "actor_rollout_ref.ref",
@@ -173,7 +178,7 @@ def overrides(problem, plan: Plan, engine: str, *, dynamic_bsz: bool = False) ->
     # verl builds the reference model only when a KL term needs it
     out.append(("algorithm.use_kl_in_reward", "true") if job.algorithm == "ppo"
                else ("actor_rollout_ref.actor.use_kl_loss", "true"))
-    out += [("actor_rollout_ref.rollout.name", "vllm"),
+    out += [("actor_rollout_ref.rollout.name", ROLLOUT_NAME.get(job.rollout.engine, "vllm")),
             ("actor_rollout_ref.rollout.tensor_model_parallel_size", str(g.config.tp)),
             ("actor_rollout_ref.rollout.pipeline_model_parallel_size", str(g.config.pp)),
             ("actor_rollout_ref.rollout.gpu_memory_utilization",
@@ -268,6 +273,7 @@ def emit(problem, optimum: Plan, solve, *, engine: str = "auto", dynamic_bsz: bo
     roles = problem.job.roles
     paths = ["actor_rollout_ref.model.path=..."] + (["critic.model.path=..."] if "critic" in roles else []) + (
         ["reward.reward_model.model_path=..."] if "reward" in roles else []) + ["data.train_files=..."]
-    notes = (f"Add your own model paths and data ({', '.join(paths)}) as arguments: \"$@\" passes them on.",)
+    notes = (f"Add your own model paths and data ({', '.join(paths)}) as arguments: \"$@\" passes them on.",
+             *engine_notes(problem.job, "verl", VLLM, tuple(e for e in ROLLOUT_NAME if e != "vllm-v0")))
     return Emission(framework="verl", version=VERSION, variant=chosen, command=COMMAND, args=args, plan=plan,
                     optimum=optimum, gaps=plan_gaps, notes=notes, tried=tried)

@@ -105,6 +105,16 @@ GPU_PRESETS: dict[str, GPUSpec] = {
                     intra_node_gbps=200, inter_node_gbps=50),
     "a800-80gb": GPUSpec(name="a800-80gb", memory_gib=80, tflops_bf16=312, hbm_tbps=2.039,
                          intra_node_gbps=200, inter_node_gbps=25),
+    # Blackwell, per GPU from NVIDIA's system datasheets (sparse figures halved to dense): HGX B200
+    # 1,440 GB / 8 = 180 GB HBM3e at 8 TB/s, 36 PFLOP/s sparse bf16 / 8 = 2,250 dense; GB200 NVL72
+    # 13.4 TB / 72 = 186 GB at 576 TB/s / 72 = 8 TB/s, 360 PFLOP/s sparse / 72 = 2,500 dense (the
+    # higher clock of the Grace-coupled part). Fifth-generation NVLink 1.8 TB/s both ways together
+    # (900 GB/s per direction; NVL72's NVLink domain is the rack: ``gpus_per_node`` up to 72), one
+    # 400 Gb/s ConnectX-7 port per GPU. No fitted profile: the analytic efficiencies apply.
+    "b200": GPUSpec(name="b200", memory_gib=180, tflops_bf16=2250, hbm_tbps=8.0,
+                    intra_node_gbps=900, inter_node_gbps=50),
+    "gb200": GPUSpec(name="gb200", memory_gib=186, tflops_bf16=2500, hbm_tbps=8.0,
+                     intra_node_gbps=900, inter_node_gbps=50),
     # L40S: 362 TFLOP/s bf16 dense, 48 GB GDDR6 at 0.864 TB/s, no NVLink (PCIe Gen4 x16)
     "l40s": GPUSpec(name="l40s", memory_gib=48, tflops_bf16=362, hbm_tbps=0.864,
                     intra_node_gbps=32, inter_node_gbps=25),

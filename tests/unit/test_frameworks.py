@@ -471,3 +471,30 @@ def test_context_parallelism_is_emitted_where_the_framework_has_it_and_named_whe
     words = list(openrlhf.emit(problem_of(JOB8, FOUR_NODES), plan, no_solve).args)
     check_openrlhf_flags(words, openrlhf_flags())
     assert words[words.index("--ds.ring_attn_size") + 1] == "2"
+
+
+@pytest.mark.parametrize("engine,verl_name,note", [("vllm", "vllm", None), ("sglang", "sglang", None),
+                                                   ("tensorrt-llm", "trtllm", None), ("vllm-v0", "vllm", "V1 engine"),
+                                                   ("static", "vllm", "does not offer")])
+def test_emitters_launch_the_jobs_generation_engine_or_say_what_runs_instead(engine, verl_name, note):
+    """verl's ``rollout.name`` is the job's engine where verl 0.9.1's rollout registry has it (read
+    from the wheel as data); vLLM's V0 engine (gone from the vLLM releases both frameworks pin) and
+    an engine a framework lacks run on vLLM, with a note saying so; OpenRLHF runs vLLM only, and
+    takes the job's eager mode as ``--vllm.enforce_eager`` (a flag of its argparse)."""
+    from dataclasses import replace as dc_replace
+    base = problem_of(JOB8, FOUR_NODES)
+    job = dc_replace(base.job, rollout=dc_replace(base.job.rollout, engine=engine, enforce_eager=True))
+    problem = PlanProblem(job=job, cluster=base.cluster, workload=job.workload())
+    registry = (_package_dir("verl", verl.VERSION) / "workers" / "rollout" / "base.py").read_text()
+    assert f'("{verl_name}", "async")' in registry
+    em = verl.emit(problem, make_plan(job, FSDP_PLAN), no_solve, engine="fsdp")
+    kv = _kv(em.args)
+    assert kv["actor_rollout_ref.rollout.name"] == verl_name and kv["actor_rollout_ref.rollout.enforce_eager"] == "true"
+    o = openrlhf.emit(problem, make_plan(job, PAIRED_PLAN), no_solve)
+    assert "--vllm.enforce_eager" in o.args and openrlhf_flags()["--vllm.enforce_eager"]
+    for e, has_it in ((em, note is None), (o, engine == "vllm")):
+        engine_lines = [n for n in e.notes if "generation runs on" in n]
+        assert (not engine_lines) == has_it, (e.framework, e.notes)
+        if note and engine_lines:
+            assert note in engine_lines[0] or e.framework == "openrlhf"
+            assert engine_lines[0] in e.render()
