@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "no_sync, verl's default)")
     g.add_argument("--grad-reduce-fp32", action="store_true",
                    help="gradients reduced in fp32 (verl FSDP mixed_precision.reduce_dtype)")
+    g.add_argument("--single-controller", action="store_true",
+                   help="the call's batch goes through a driver process (verl's RayWorkerGroup: serialised out to "
+                        "the workers and back, every sequence padded to prompt + max response)")
     p.add_argument("--json", metavar="OUT", help="write the estimate as JSON")
     return p
 
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
                          recompute=args.recompute, sp=args.sp, cp=args.cp, token_budget=args.token_budget or 0)
     opts = StageOptions(pad_to=job.sequence.prompt_len + w.response_len_max if args.no_remove_padding else 0,
                         param_offload=args.param_offload, grad_sync=args.grad_sync,
-                        grad_reduce_bytes=4 if args.grad_reduce_fp32 else 0)
+                        grad_reduce_bytes=4 if args.grad_reduce_fp32 else 0,
+                        controller_width=job.sequence.prompt_len + w.response_len_max if args.single_controller else 0)
     e = estimate(job, cluster, args.model_stage, cfg, w, params, options=opts)
     if args.offload:
         e = with_offload(e, params)

@@ -359,7 +359,16 @@ def stage_settings(row: Row, ms: str, tp: int, pp: int, dp: int, fsdp: bool) -> 
     # later releases: use_no_sync_for_gradient_accumulation, default false) in fp32 (reduce_dtype)
     per_mb = fsdp and row.engine.lower().startswith("verl") and not _flag(row, "no_sync_grad_accum")
     return cfg, StageOptions(pad_to=pad_to, param_offload=offload, optimizer_offload=opt_off,
-                             grad_sync="micro_batch" if per_mb else "step", grad_reduce_bytes=4 if per_mb else 0)
+                             grad_sync="micro_batch" if per_mb else "step", grad_reduce_bytes=4 if per_mb else 0,
+                             controller_width=controller_width(row))
+
+
+def controller_width(row: Row) -> int:
+    """verl rows: every worker call moves the batch through verl's driver, each sequence padded to
+    ``max_prompt_len + max_response_len`` (``StageOptions.controller_width``); 0 elsewhere."""
+    if not row.engine.lower().startswith("verl"):
+        return 0
+    return _int(row, "max_prompt_len", 0) + _int(row, "max_response_len", 0)
 
 
 def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
@@ -378,18 +387,21 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     rtp = _int(row, "rollout_tp", tp)
     gen = ParallelConfig(tp=rtp, dp=gpus // rtp)
 
+    gen_opts = StageOptions(controller_width=controller_width(row))
+
     def stage_s(ms: str) -> float:
         if ms.endswith("generation"):
-            return estimate(job, cluster, ms, gen, w, p).time_s
+            return estimate(job, cluster, ms, gen, w, p, options=gen_opts).time_s
         cfg, opts = stage_settings(row, ms, tp, pp, gpus // (tp * pp), fsdp)
         return estimate(job, cluster, ms, cfg, w, p, options=opts).time_s
 
     sync = weight_sync_s(model, train, gen, cluster, True, p)
     if stage == "generate_sequences":
         # verl's worker-side timer: the engine's generate call alone, inside the rollout sharding
-        # manager, whose entry (wake-up, weight sync) and exit (sleep) it leaves out
-        e = estimate(job, cluster, "actor/generation", gen, w, p)
-        return e.time_s - e.time_breakdown.get("engine_wake_sleep", 0.0)
+        # manager, whose entry (wake-up, weight sync) and exit (sleep) it leaves out, as it leaves out
+        # the driver's dispatch and collection of the batch
+        e = estimate(job, cluster, "actor/generation", gen, w, p, options=gen_opts)
+        return e.time_s - e.time_breakdown.get("engine_wake_sleep", 0.0) - e.time_breakdown.get("controller_transfer", 0.0)
     if stage == "gen" and row.engine.lower().startswith("verl"):
         # verl's trainer-side timer covers the whole generate_sequences call: wake-up, the actor ->
         # rollout weight sync, generation, sleep

@@ -140,5 +140,11 @@ def test_estimate_takes_verl_fsdp_worker_settings(tmp_path):
     per_mb = run("--grad-sync", "micro_batch")
     assert per_mb["dp_grad_sync"] > 2 * base["dp_grad_sync"]
     assert run("--grad-sync", "micro_batch", "--grad-reduce-fp32")["dp_grad_sync"] > 1.5 * per_mb["dp_grad_sync"]
+    # --single-controller: the 512 sequences padded to 105 + 192 tokens go through verl's driver
+    from nereus.planner.cost.model import controller_transfer_s
+    from nereus.fidelity.report import fitted_params
+    assert "controller_transfer" not in base
+    assert run("--single-controller")["controller_transfer"] == pytest.approx(
+        controller_transfer_s("training", 512, 105 + 192, 192, fitted_params("h100-80gb")))
     r = nereus("estimate", *BASE, "--model-stage", "actor/training", "--param-offload", "always")
     assert r.returncode == 2 and "invalid choice" in r.stderr

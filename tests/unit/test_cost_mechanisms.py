@@ -600,9 +600,9 @@ def test_profile_fits_start_engines_from_their_defaults_and_keep_the_unseen_ones
 
 def test_verl_generation_timers_cover_what_verl_times():
     """verl's two generation timers: ``timing_s/gen`` (trainer side) is the whole generate_sequences
-    call, so it covers the engine's wake-up and sleep and the actor -> rollout weight sync;
-    ``generate_sequences`` (worker side, inside the rollout sharding manager) is the engine's
-    generation alone. The 1B run logs both for one step: the gen row's prediction exceeds the
+    call, so it covers the driver's dispatch and collection of the batch, the engine's wake-up and
+    sleep and the actor -> rollout weight sync; ``generate_sequences`` (worker side, inside the
+    rollout sharding manager) is the engine's generation alone. The 1B run logs both for one step: the gen row's prediction exceeds the
     generate_sequences row's by exactly wake/sleep + weight sync."""
     from nereus.fidelity.catalog import resolve_model
     from nereus.fidelity.predict import rl_job, _replica_cluster
@@ -616,10 +616,12 @@ def test_verl_generation_timers_cover_what_verl_times():
     job, w = rl_job(gen, model)
     cluster = _replica_cluster(GPU_PRESETS["h100-80gb"], gen.gpus)
     rollout = ParallelConfig(tp=2, dp=4)
-    e = estimate(job, cluster, "actor/generation", rollout, w, p)
+    from nereus.planner.cost.model import StageOptions
+    e = estimate(job, cluster, "actor/generation", rollout, w, p, options=StageOptions(controller_width=512 + 1024))
     sync = weight_sync_s(model, ParallelConfig(tp=1, dp=8, zero=3), rollout, cluster, True, p)
-    assert e.time_breakdown["engine_wake_sleep"] > 0 and sync > 0
-    assert predict(worker, fitted_params).predicted == pytest.approx(e.time_s - e.time_breakdown["engine_wake_sleep"])
+    wake, driver = e.time_breakdown["engine_wake_sleep"], e.time_breakdown["controller_transfer"]
+    assert wake > 0 and sync > 0 and driver > 0
+    assert predict(worker, fitted_params).predicted == pytest.approx(e.time_s - wake - driver)
     assert predict(gen, fitted_params).predicted == pytest.approx(e.time_s + sync)
 
 
@@ -640,3 +642,53 @@ def test_blackwell_presets_halve_the_gpu_seconds_of_nemo_rl_steps_as_published()
         pg, ph = predict(g, fitted_params), predict(h, fitted_params)
         model = pg.predicted * g.gpus / (ph.predicted * h.gpus)
         assert 0.45 < measured < 0.5 and measured / 1.5 < model < measured * 1.5, (gb_id, measured, model)
+
+
+
+def test_verl_single_controller_transfer_is_the_measured_line_over_verls_batch_bytes():
+    """verl moves every worker call's batch through its driver (``controller_transfer_s``): the
+    defaults are the line ``benchmarks/verl_dispatch.py`` measured through verl's own RayWorkerGroup
+    (its JSON, to the digits the defaults keep), inside the published range for the same path
+    (0.05-0.45 GB/s: verl#2847, miles#591, verl#3425); the bytes are verl's batch at each call,
+    every sequence padded to the prompt and response caps; verl rows carry it, other frameworks'
+    rows do not, and it adds to every verl call the fidelity check predicts."""
+    import json
+    from pathlib import Path
+    from nereus.fidelity.predict import controller_width, stage_settings
+    from nereus.planner.cost.model import CONTROLLER_TRAIN_TENSORS, StageOptions, controller_transfer_s
+
+    bench = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/verl_dispatch.json").read_text())
+    p = CostParams()
+    assert p.controller_gbps == pytest.approx(bench["fit"]["rate_gbps"], abs=5e-4)
+    assert p.controller_call_s == pytest.approx(bench["fit"]["call_s"], abs=5e-5)
+    assert 0.05 <= p.controller_gbps <= 0.45 and bench["versions"]["verl"] == "0.9.1"
+    n, width, cap = 1000, 1536, 1024
+    per = {s: (controller_transfer_s(s, n, width, cap, p) - p.controller_call_s) * p.controller_gbps * 1e9 / n
+           for s in ("generation", "inference", "training")}
+    assert per["generation"] == pytest.approx(3 * 512 * 8 + 4 * width * 8)
+    assert per["inference"] == pytest.approx(4 * width * 8 + 8 * cap + 4 * cap)
+    assert per["training"] == pytest.approx(4 * width * 8 + 8 * cap + CONTROLLER_TRAIN_TENSORS * 4 * cap)
+    # the benchmark's own calls: the line is within 2x of every size's median above 10 MB
+    for r in bench["rows"]:
+        if r["sent_bytes"] > 1e7:
+            line = p.controller_call_s + (r["sent_bytes"] + r["returned_bytes"]) / (p.controller_gbps * 1e9)
+            assert 0.5 < line / r["median_s"] < 2, r
+    by_id = {r.id: r for r in ROWS}
+    verl, nemo = by_id["playverl-002"], by_id["nemorlperf-001"]
+    assert controller_width(verl) == 512 + 192 and controller_width(nemo) == 0
+    assert stage_settings(verl, "actor/inference", 1, 1, 8, True)[1].controller_width == 704
+    with_it = predict(verl, fitted_params).predicted
+    import nereus.fidelity.predict as P
+    original = P.controller_width
+    try:
+        P.controller_width = lambda row: 0
+        without = predict(verl, fitted_params).predicted
+    finally:
+        P.controller_width = original
+    one_call = controller_transfer_s("inference", 512, 704, 192, fitted_params("h100-80gb"))
+    assert with_it - without == pytest.approx(one_call)
+    with pytest.raises(SpecError, match="controller_width"):
+        StageOptions(controller_width=-1)
+    job = load_job("examples/grpo-7b.yaml")
+    with pytest.raises(SpecError, match="response cap"):
+        estimate(job, H100, "actor/inference", ParallelConfig(dp=8, zero=3), options=StageOptions(controller_width=100))

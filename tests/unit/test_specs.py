@@ -53,8 +53,8 @@ def test_job_errors_name_the_problem(patch, msg):
 
 
 def test_cluster_errors():
-    with pytest.raises(SpecError, match="unknown gpu preset 'b200'"):
-        ClusterSpec.from_dict({"gpu": "b200", "nodes": 1})
+    with pytest.raises(SpecError, match="unknown gpu preset 'rubin-r100'"):
+        ClusterSpec.from_dict({"gpu": "rubin-r100", "nodes": 1})
     with pytest.raises(SpecError, match="nodes must be > 0"):
         ClusterSpec.from_dict({"gpu": "h200", "nodes": 0})
     with pytest.raises(SpecError, match="missing field"):

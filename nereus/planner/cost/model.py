@@ -10,7 +10,7 @@ pool to the largest transient of the stages the pool runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Mapping
 
@@ -84,6 +84,10 @@ class StageOptions:
       FSDP / DDP accumulating gradients without ``no_sync``, verl's FSDP default).
     - ``grad_reduce_bytes``: bytes per gradient element on the wire (0: the model's dtype; verl's
       FSDP ``mixed_precision.reduce_dtype`` defaults to fp32, 4).
+    - ``controller_width``: > 0 when a single controller moves every worker call's batch through its
+      driver process (verl's ``RayWorkerGroup``), each sequence padded to this many tokens (verl:
+      ``max_prompt_length + max_response_length``): adds ``controller_transfer_s``. 0 (default): no
+      driver in the data path (SPMD launchers: Megatron, NeMo RL's workers, Nereus's executor).
     """
 
     pad_to: int = 0
@@ -92,6 +96,7 @@ class StageOptions:
     fp8_linear: bool = False
     grad_sync: str = "step"
     grad_reduce_bytes: int = 0
+    controller_width: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.pad_to, bool) or not isinstance(self.pad_to, int) or self.pad_to < 0:
@@ -108,6 +113,9 @@ class StageOptions:
         if isinstance(self.grad_reduce_bytes, bool) or self.grad_reduce_bytes not in (0, 1, 2, 4):
             raise SpecError(f"stage options: grad_reduce_bytes must be 0 (the model's dtype), 1, 2 or 4, "
                             f"got {self.grad_reduce_bytes!r}")
+        if isinstance(self.controller_width, bool) or not isinstance(self.controller_width, int) \
+                or self.controller_width < 0:
+            raise SpecError(f"stage options: controller_width must be an integer >= 0, got {self.controller_width!r}")
 
 
 NO_OPTIONS = StageOptions()
@@ -213,10 +221,49 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
                         f"(Ulysses splits heads across the sequence-parallel ranks)")
     o = options or NO_OPTIONS
     if stage == "training":
-        return _training(job, cluster, model_stage, model, cfg, w, p, head, o)
-    if stage == "inference":
-        return _inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded, o)
-    return _generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
+        e = _training(job, cluster, model_stage, model, cfg, w, p, head, o)
+    elif stage == "inference":
+        e = _inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded, o)
+    else:
+        e = _generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
+    if o.controller_width:
+        if o.controller_width < w.response_len_max:
+            raise SpecError(f"stage options: controller_width({o.controller_width}) must hold the response cap "
+                            f"({w.response_len_max}) and the prompt")
+        c = controller_transfer_s(stage, w.sequences, o.controller_width, w.response_len_max, p)
+        e = replace(e, time_s=e.time_s + c, time_breakdown={**e.time_breakdown, "controller_transfer": c})
+    return e
+
+
+CONTROLLER_TRAIN_TENSORS = 6
+"""fp32 per-response-token tensors a verl update call carries besides the token tensors: old and
+reference log-probs, token-level scores and rewards, advantages, returns (verl's batch at
+``update_actor`` / ``update_critic``; the worker selects its keys only after the dispatch)."""
+
+
+def controller_transfer_s(stage: str, sequences: float, width: int, response_cap: int, p: CostParams) -> float:
+    """One worker call of a single-controller framework (verl's ``RayWorkerGroup``,
+    ``Dispatch.DP_COMPUTE_PROTO``): the driver sends the step's batch out in one chunk per worker and
+    gets the results back, serialised both ways; host work at ``p.controller_gbps`` GB/s of bytes
+    sent plus returned, plus ``p.controller_call_s``. Bytes per sequence, padded to ``width`` tokens
+    (``response_cap`` of them the response), as verl's batch holds them (int64 token tensors):
+
+    - generation: sends the prompts' input_ids, attention_mask and position_ids (3 x 8 bytes per
+      prompt token); gets back prompts, responses, input_ids, attention_mask, position_ids
+      (4 x width x 8 bytes);
+    - inference (log-probs, values): sends those five and the response mask (8 bytes per response
+      token); gets one fp32 per response token;
+    - training: sends the same plus ``CONTROLLER_TRAIN_TENSORS`` fp32 tensors per response token;
+      gets back metrics (nothing to count)."""
+    prompt = width - response_cap
+    batch = 4 * width * 8
+    if stage == "generation":
+        per_seq = 3 * prompt * 8 + batch
+    elif stage == "inference":
+        per_seq = batch + 8 * response_cap + 4 * response_cap
+    else:
+        per_seq = batch + 8 * response_cap + CONTROLLER_TRAIN_TENSORS * 4 * response_cap
+    return p.controller_call_s + sequences * per_seq / (p.controller_gbps * 1e9)
 
 
 def _finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: CostParams,

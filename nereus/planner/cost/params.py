@@ -139,6 +139,17 @@ class CostParams:
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     host_link_gbps: float = 25.0
     """GPU <-> host bandwidth for CPU offload of a resident state (PCIe Gen5 x16 effective)."""
+    controller_gbps: float = 0.445
+    controller_call_s: float = 8.3e-3
+    """verl's single-controller data path (``controller_transfer_s``): one worker call moves its
+    batch through the driver (DataProto serialised into Ray's object store, one chunk per worker,
+    results back and concatenated) at ``controller_gbps`` GB/s of bytes sent plus returned, plus
+    ``controller_call_s`` per call. Measured, not fitted to an RL row: verl 0.9.1's own
+    ``RayWorkerGroup`` timing ``DP_COMPUTE_PROTO`` calls of 1-220 MB on this project's 2-core CPU
+    machine, Theil-Sen over 27 interleaved rounds (``benchmarks/verl_dispatch.py``,
+    ``benchmarks/results/verl_dispatch.json``). Published figures for the same path bracket it:
+    0.3-0.4 GB/s serialising a DataProto (verl#3425), 0.18 GB/s through Ray put + get (miles#591),
+    0.05 GB/s in one small benchmark (verl#2847) (``docs/research/verl_dispatch_cost.csv``)."""
     optimizer_bytes_per_param: float = 32.0
     """HBM bytes an AdamW step moves per parameter it updates (read grad, master, m, v; write
     master, m, v, param)."""
