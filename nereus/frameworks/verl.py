@@ -23,6 +23,7 @@ from nereus.errors import InfeasibleError
 from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, engine_notes, flag, gpu_range,
                                       generation_memory_fraction, nodes_and_gpus, offloaded, overlap, same_gpus,
                                       micro_batch_tokens, packs_tokens, stage_memory_fraction, units)
+from nereus.planner.cost.model import controller_transfer_s
 from nereus.planner.plan import Plan
 
 VERSION = "0.9.1"
@@ -274,6 +275,24 @@ def emit(problem, optimum: Plan, solve, *, engine: str = "auto", dynamic_bsz: bo
     paths = ["actor_rollout_ref.model.path=..."] + (["critic.model.path=..."] if "critic" in roles else []) + (
         ["reward.reward_model.model_path=..."] if "reward" in roles else []) + ["data.train_files=..."]
     notes = (f"Add your own model paths and data ({', '.join(paths)}) as arguments: \"$@\" passes them on.",
-             *engine_notes(problem.job, "verl", VLLM, tuple(e for e in ROLLOUT_NAME if e != "vllm-v0")))
+             *engine_notes(problem.job, "verl", VLLM, tuple(e for e in ROLLOUT_NAME if e != "vllm-v0")),
+             driver_note(problem))
     return Emission(framework="verl", version=VERSION, variant=chosen, command=COMMAND, args=args, plan=plan,
                     optimum=optimum, gaps=plan_gaps, notes=notes, tried=tried)
+
+
+def driver_s(problem) -> tuple[float, int]:
+    """(seconds, calls) per step of verl's driver moving each worker call's batch (``controller_transfer_s``:
+    every sequence padded to the prompt and response caps), one call per model-stage of the job."""
+    job, w, p = problem.job, problem.workload, problem.params
+    stages = job.model_stages()
+    width = w.prompt_len + w.response_len_max
+    return sum(controller_transfer_s(ms.partition("/")[2], w.sequences, width, w.response_len_max, p)
+               for ms in stages), len(stages)
+
+
+def driver_note(problem) -> str:
+    total, calls = driver_s(problem)
+    return (f"verl's driver also moves each worker call's batch through Ray: about {total:.1f} s per step over "
+            f"{calls} calls at {problem.params.controller_gbps:g} GB/s (measured, benchmarks/verl_dispatch.py), "
+            f"not in the predicted step times above, the same for every plan.")

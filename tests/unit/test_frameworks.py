@@ -498,3 +498,21 @@ def test_emitters_launch_the_jobs_generation_engine_or_say_what_runs_instead(eng
         if note and engine_lines:
             assert note in engine_lines[0] or e.framework == "openrlhf"
             assert engine_lines[0] in e.render()
+
+
+def test_verl_launch_notes_the_drivers_transfer_per_step():
+    """verl's single controller moves every worker call's batch through its driver: the emitted script
+    says how long that takes per step (one call per model-stage, the cost model's
+    ``controller_transfer_s`` at the job's caps), outside the predicted step times."""
+    from nereus.planner.cost.model import controller_transfer_s
+    problem = problem_of(JOB8, FOUR_NODES)
+    em = verl.emit(problem, make_plan(problem.job, FSDP_PLAN), no_solve, engine="fsdp")
+    total, calls = verl.driver_s(problem)
+    w = problem.workload
+    assert calls == len(problem.job.model_stages()) == 7
+    assert total == pytest.approx(sum(controller_transfer_s(s, w.sequences, w.prompt_len + w.response_len_max,
+                                                             w.response_len_max, problem.params)
+                                      for s in ("generation", "inference", "inference", "inference", "inference",
+                                                "training", "training")))
+    assert any(f"about {total:.1f} s per step over 7 calls" in n for n in em.notes)
+    assert f"about {total:.1f} s per step" in em.render()
