@@ -192,8 +192,8 @@ def engine_host_overhead(rows: Iterable[Row], engine: str) -> tuple[float, float
 
 
 def layer_host_s(rows: Iterable[Row], metric: str) -> tuple[float, list[str]]:
-    """A per-layer host time (``HOST_LAYER_METRICS``) from the fit split's ``host`` rows of that
-    metric: the median over sources of each source's median (one source, one vote), in seconds.
+    """A per-unit host time (``HOST_LAYER_METRICS``: per decoder layer and pass, per FSDP unit and
+    pass, per GiB of KV cache re-created) from the fit split's ``host`` rows of that metric: the median over sources of each source's median (one source, one vote), in seconds.
     Returns seconds and the row ids used."""
     if metric not in HOST_LAYER_METRICS:
         raise SpecError(f"host metric must be one of {', '.join(HOST_LAYER_METRICS)}, got {metric!r}")

@@ -24,8 +24,8 @@ from nereus.fidelity.catalog import (FP8_CAPABLE, engine_of, power_capped, profi
                                      with_precision)
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, estimate, kv_bytes_per_token_per_gpu,
-                                       params_per_gpu, prefill_s, weight_sync_s)
+from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, engine_wake_s, estimate,
+                                       kv_bytes_per_token_per_gpu, params_per_gpu, prefill_s, weight_sync_s)
 from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s
 from nereus.planner.specs import (BatchSpec, ClusterSpec, GPUSpec, JobSpec, ParallelConfig, RolloutSpec, SequenceSpec,
                                   Workload, GPU_PRESETS)
@@ -419,8 +419,9 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
 
 
 HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
-                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s"}
-"""``host`` row metric -> the CostParams field (seconds) it measures."""
+                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s", "kv_remap_ms_per_gib": "kv_remap_s_per_gib"}
+"""``host`` row metric -> the CostParams field (seconds) it measures (per layer and pass, per FSDP
+unit and pass, per GiB of KV cache re-created)."""
 
 
 def _host(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
@@ -429,12 +430,30 @@ def _host(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
     (eager dispatch in training or in a no-grad forward; FSDP's hooks per unit)."""
     if row.metric in HOST_LAYER_METRICS:
         return getattr(p, HOST_LAYER_METRICS[row.metric]) * 1e3
+    if row.metric == "engine_wake_s":
+        return _wake(row, gpu, p)
     if row.metric != "host_ms_per_iteration":
         raise Unsupported(f"host metric {row.metric!r} not modelled")
     b = row.num("batch")
     if b is None or b < 1:
         raise Unsupported("engine host row without a numeric batch")
     return p.iteration_overhead_s(engine_of(row.engine, row.get("vllm_engine")), b) * 1e3
+
+
+def _wake(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
+    """Seconds of an engine's wake-up (``engine_wake_s``): the row's weights per GPU
+    (``model_params_b`` x the dtype's bytes / tp) back over the host link and its KV pool, what
+    ``gpu_memory_utilization`` of the GPU leaves beside them, created again."""
+    if gpu is None:
+        raise Unsupported("wake-up row without a known GPU (its KV pool depends on the GPU's memory)")
+    billions, util = row.num("model_params_b"), row.num("gpu_memory_utilization")
+    if billions is None or util is None:
+        raise Unsupported("wake-up row without model_params_b and gpu_memory_utilization")
+    nbytes = {"bf16": 2, "fp16": 2, "fp8": 1}.get((row.get("weights_dtype") or "bf16").lower())
+    if nbytes is None:
+        raise Unsupported(f"weights dtype {row.get('weights_dtype')!r} not modelled")
+    weights = billions * 1e9 * nbytes / _int(row, "tp", 1)
+    return engine_wake_s(weights, gpu.usable_bytes * util - weights - p.workspace_gib * GiB, p)
 
 
 _PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,

@@ -569,6 +569,20 @@ def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: floa
     return cpu if synced else max(0.0, cpu - gpu_s)
 
 
+def engine_wake_s(weights_bytes: float, kv_bytes: float, p: CostParams) -> float:
+    """A colocated engine's wake-up from a level-1 sleep (vLLM ``wake_up``, SGLang
+    ``resume_memory_occupation``): its weights come back from pinned host memory over the host link,
+    and its KV cache pool, released at sleep, is created and mapped again in GPU memory
+    (``p.kv_remap_s_per_gib`` per GiB: 3.9 ms, vLLM 0.26 re-creating 69 GiB in 0.27 s, corpus row
+    ``srtslurm-001``). The vLLM sleep-mode blog's wake-ups on A100 (corpus ``vllmsleep-*``) check it."""
+    return weights_bytes / (p.host_link_gbps * 1e9) + max(0.0, kv_bytes) / GiB * p.kv_remap_s_per_gib
+
+
+def engine_sleep_s(weights_bytes: float, p: CostParams) -> float:
+    """Its sleep: the weights out to host memory (the KV pool is released without a copy)."""
+    return weights_bytes / (p.host_link_gbps * 1e9)
+
+
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
     """2 * (L/pp) * g * d * bytes / min(tp, g): KV heads replicate when tp > g."""
     return 2 * math.ceil(model.layers / pp) * model.kv_dim * model.dtype_bytes / min(tp, model.kv_heads)
@@ -617,8 +631,8 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
                                    concurrency, job.rollout.enforce_eager)
     t = {"prefill": t_prefill, **dict(acc)}
-    if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep (KV re-allocated)
-        t["engine_wake_sleep"] = 2 * weights / (p.host_link_gbps * 1e9)
+    if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep; KV pool re-created
+        t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + engine_sleep_s(weights, p)
     kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
     transient = {"weights": weights, "kv_cache": kv_used, "workspace": workspace}
     waves = math.ceil(n / concurrency)

@@ -139,6 +139,11 @@ class CostParams:
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     host_link_gbps: float = 25.0
     """GPU <-> host bandwidth for CPU offload of a resident state (PCIe Gen5 x16 effective)."""
+    kv_remap_s_per_gib: float = 3.9e-3
+    """Time to create and map again one GiB of an engine's KV cache pool at wake-up (``engine_wake_s``):
+    the fit split's ``host`` rows of metric ``kv_remap_ms_per_gib``, median by source
+    (``nereus.fidelity.fit.layer_host_s``): 3.88 ms, vLLM 0.26 waking with 69.23 GiB of KV cache and
+    1.18 GiB of mapped weights in 0.273 s (NVIDIA/srt-slurm, B200). Not fitted to an RL row."""
     controller_gbps: float = 0.445
     controller_call_s: float = 8.3e-3
     """verl's single-controller data path (``controller_transfer_s``): one worker call moves its
