@@ -3,7 +3,9 @@ solved by cpsat, pulp and greedy side by side. Prints a table; --json writes the
 
 solve_s is the wall time of the whole call to ``solve`` from a cold start (option tables, greedy,
 model, search); the option tables are rebuilt for every backend so no backend rides on another's
-cache. cpu_s is the CPU time of the same call, this process plus its children (CBC runs as a
+cache. The solver libraries are imported once before the first solve (OR-Tools takes about 0.3 s
+to import, once per process, like any long-running planner or a CLI's start-up); that time is
+printed and written as ``imports_s`` beside the rows, not hidden in the first row. cpu_s is the CPU time of the same call, this process plus its children (CBC runs as a
 child), which stays meaningful when other work shares the machine's two cores. Step times are
 predictions of the analytic cost model, not measurements.
 
@@ -83,12 +85,24 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--gpus", type=int, nargs="*", default=list(GPUS))
     args = ap.parse_args()
+    imports_s = import_solvers()
+    print(f"solver libraries imported in {imports_s:.2f} s (once per process; not in solve_s)")
     rows = run(args.time_limit, args.workers, tuple(args.gpus))
     print_table(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: r[k] for k in ("model", "gpus", "backend", "status", "solve_s",
-                                                                   "cpu_s", "gap", "step_time_s")} for r in rows], indent=2))
+        Path(args.json).write_text(json.dumps({"imports_s": imports_s, "rows": [
+            {k: r[k] for k in ("model", "gpus", "backend", "status", "solve_s", "cpu_s", "gap", "step_time_s")}
+            for r in rows]}, indent=2))
     return 0
+
+
+def import_solvers() -> float:
+    """Import OR-Tools CP-SAT and PuLP (what ``solve`` imports on first use), timed."""
+    import time
+    t0 = time.perf_counter()
+    from ortools.sat.python import cp_model  # noqa: F401
+    import pulp  # noqa: F401
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
