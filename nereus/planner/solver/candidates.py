@@ -246,7 +246,9 @@ def _option(ui: int, unit: Unit, size: int, cfg: ParallelConfig, ests, n_phases:
 
 def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
                         sync_keys: tuple) -> list[Option]:
-    """Generation at each KV budget level; levels above the peak KV demand change nothing."""
+    """Generation at each KV budget level up to the first that holds the peak KV demand: a larger
+    pool runs the same decode and takes longer to create again at every wake-up
+    (``engine_wake_s``), so the smallest sufficient level dominates the ones above it."""
     j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
     est = _Estimator(problem)
     model = j.model("actor")
@@ -257,13 +259,8 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
         full = c.gpu.usable_bytes * engine_memory_util(j, p) - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
         demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf
         sync = tuple(weight_sync_s(model, ParallelConfig(dp=ts), cfg, c, col, p) for ts, col in sync_keys)
-        seen_enough = False
-        for f in sorted(problem.candidates.kv_fractions, reverse=True):
+        for f in sorted(problem.candidates.kv_fractions):
             budget = full * f
-            if budget >= demand:
-                if seen_enough:
-                    continue
-                seen_enough = True
             e = base if f == 1.0 else est(GEN, cfg, kv_budget_bytes=budget)
             if not e.fits:
                 continue
@@ -272,6 +269,8 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
             out.append(Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=(e.time_s,),
                               resident_kib=_kib(e.resident_bytes), transient_kib=_kib(e.transient_bytes),
                               kv_budget_bytes=budget, sync=sync))
+            if budget >= demand:
+                break
     return out
 
 
