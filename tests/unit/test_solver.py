@@ -247,3 +247,39 @@ def test_transition_aware_objective():
                            b.layout_key() else 1e6, amortize_steps=1.0), backend="cpsat", workers=1, seed=0)
     assert frozen.plan.layout_key() == base.plan.layout_key()
     assert frozen.objective >= fresh.objective * (1 - 1e-9)
+
+
+def test_cp_sat_warm_start_hints_the_thinned_models_optimum_and_never_a_worse_plan(monkeypatch):
+    """Large tables: CP-SAT first solves a thinned model (per unit and pool size, 8 options spread
+    along the front plus the most frugal, all taken from the full tables) and hints the full model with
+    its optimum when that beats greedy's plan; the full model still decides (same optimum as without
+    the warm start, proven)."""
+    import importlib
+    import sys
+    from nereus.planner.solver.assignment import objective
+    from nereus.planner.solver.greedy import greedy
+    importlib.import_module("nereus.planner.solver.solve")
+    S = sys.modules["nereus.planner.solver.solve"]
+
+    job = load_job("examples/ppo-8b.yaml")
+    problem = PlanProblem(job=job, cluster=load_cluster("examples/cluster-h100-1n.yaml").with_gpus(256),
+                          workload=job.workload())
+    t = build_tables(problem)
+    assert sum(len(o) for o in t.options) > S.WARM_START_MIN_OPTIONS
+    small = S.thin_options(t)
+    for full, thin in zip(t.options, small.options):
+        assert set(thin) <= set(full)
+        for size in {o.size for o in full}:
+            group = [o for o in full if o.size == size]
+            kept = [o for o in thin if o.size == size]
+            assert len(kept) == len(group) if len(group) <= S.WARM_START_PER_SIZE else len(kept) <= S.WARM_START_PER_SIZE + 1
+            assert min(group, key=lambda o: sum(o.durations)) in kept
+            assert min(group, key=lambda o: (o.resident_kib + o.transient_kib, sum(o.durations))) in kept
+    g = greedy(problem, t)
+    h = S._warm_start(problem, t, g, 10.0, 1, 0, False)
+    assert h[0] <= g[0] and objective(t, h[1])[1] and h[0] == pytest.approx(objective(t, h[1])[0])
+    with_warm = solve(problem, time_limit_s=30)
+    monkeypatch.setattr(S, "WARM_START_MIN_OPTIONS", 10**9)
+    without = solve(problem, time_limit_s=30)
+    assert with_warm.status == without.status == "OPTIMAL"
+    assert with_warm.objective == pytest.approx(without.objective, rel=1e-9)
