@@ -34,8 +34,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     from ortools.sat.python import cp_model  # noqa: F401  (imported before timing)
-    S = importlib.import_module("nereus.planner.solver.solve")
-    S = sys.modules["nereus.planner.solver.solve"]
+    S = importlib.import_module("nereus.planner.solver.solve")  # the module (the package exports solve())
     on = S.WARM_START_MIN_OPTIONS
     rows = []
     for name, gpus, mean in CASES:

@@ -127,11 +127,16 @@ def profile_gpu(gpu: GPUSpec) -> str:
     return {"h800": "h100-80gb", "a800-80gb": "a100-80gb", "a100-40gb": "a100-80gb"}.get(gpu.name, gpu.name)
 
 
+def eight_bit(dtype: str | None) -> bool:
+    """A corpus dtype of 1-byte weights (FP8 / INT8); anything else is read as bf16/fp16."""
+    return (dtype or "bf16").lower().startswith(("fp8", "int8", "w8"))
+
+
 def with_precision(model: ModelSpec, gpu: GPUSpec, dtype: str | None) -> tuple[ModelSpec, GPUSpec, str]:
     """FP8 / INT8 weights: 1 byte per parameter (and per KV element) and twice the bf16 peak on
     GPUs with FP8 tensor cores; anything else is bf16/fp16."""
     d = (dtype or "bf16").lower()
-    if d.startswith(("fp8", "int8", "w8")):
+    if eight_bit(d):
         if gpu.name not in FP8_CAPABLE and not d.startswith("int8"):
             return model, gpu, f"{dtype} on {gpu.name}: no FP8 tensor cores"
         return replace(model, dtype_bytes=1), replace(gpu, tflops_bf16=2 * gpu.tflops_bf16), ""

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from nereus.errors import NereusError
-from nereus.fidelity.catalog import (FP8_CAPABLE, engine_of, power_capped, profile_gpu, resolve_gpu, resolve_model,
-                                     with_precision)
+from nereus.fidelity.catalog import (FP8_CAPABLE, eight_bit, engine_of, power_capped, profile_gpu, resolve_gpu,
+                                     resolve_model, with_precision)
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, engine_wake_s, estimate,
@@ -449,10 +449,7 @@ def _wake(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
     billions, util = row.num("model_params_b"), row.num("gpu_memory_utilization")
     if billions is None or util is None:
         raise Unsupported("wake-up row without model_params_b and gpu_memory_utilization")
-    nbytes = {"bf16": 2, "fp16": 2, "fp8": 1}.get((row.get("weights_dtype") or "bf16").lower())
-    if nbytes is None:
-        raise Unsupported(f"weights dtype {row.get('weights_dtype')!r} not modelled")
-    weights = billions * 1e9 * nbytes / _int(row, "tp", 1)
+    weights = billions * 1e9 * (1 if eight_bit(row.get("weights_dtype")) else 2) / _int(row, "tp", 1)
     return engine_wake_s(weights, gpu.usable_bytes * util - weights - p.workspace_gib * GiB, p)
 
 

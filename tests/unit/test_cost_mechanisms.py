@@ -701,13 +701,13 @@ def test_engine_wake_up_recreates_its_kv_pool_at_the_measured_rate_per_gib():
     vLLM sleep-mode blog's six A100 wake-ups (another source) check it: the weights' copy alone
     explains at most one within 2x (a 0.6B model's 0.26 s is 0.05 s of copy), with the pool four."""
     from nereus.fidelity.fit import layer_host_s
-    from nereus.planner.cost.model import GiB, engine_sleep_s, engine_wake_s
+    from nereus.planner.cost.model import GiB, engine_wake_s, host_copy_s
 
     fitted, used = layer_host_s(ROWS, "kv_remap_ms_per_gib")
     assert CostParams().kv_remap_s_per_gib == pytest.approx(fitted, rel=0.01) and used == ["srtslurm-001"]
     p = CostParams()
     assert engine_wake_s(25e9, 10 * GiB, p) == pytest.approx(1.0 + 10 * p.kv_remap_s_per_gib)
-    assert engine_sleep_s(25e9, p) == pytest.approx(1.0)
+    assert host_copy_s(25e9, p) == pytest.approx(1.0)
     wakes = rows("host", metric="engine_wake_s")
     assert len(wakes) == 6 and all(r.split == "fit" and r.source.startswith("https://blog.vllm.ai") for r in wakes)
 

@@ -255,11 +255,9 @@ def test_cp_sat_warm_start_hints_the_thinned_models_optimum_and_never_a_worse_pl
     its optimum when that beats greedy's plan; the full model still decides (same optimum as without
     the warm start, proven)."""
     import importlib
-    import sys
     from nereus.planner.solver.assignment import objective
     from nereus.planner.solver.greedy import greedy
-    importlib.import_module("nereus.planner.solver.solve")
-    S = sys.modules["nereus.planner.solver.solve"]
+    S = importlib.import_module("nereus.planner.solver.solve")  # the module (the package exports solve())
 
     job = load_job("examples/ppo-8b.yaml")
     problem = PlanProblem(job=job, cluster=load_cluster("examples/cluster-h100-1n.yaml").with_gpus(256),

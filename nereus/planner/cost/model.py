@@ -537,16 +537,21 @@ def param_offload_s(shard_params: float, mode: str, micro_batches: float, p: Cos
     compute), the dtype's size for a frozen one."""
     nbytes = shard_params * bytes_per_param
     if mode == "per_call":
-        return 2 * nbytes / (p.host_link_gbps * 1e9)
+        return 2 * host_copy_s(nbytes, p)
     if mode == "per_micro_batch":
-        return micro_batches * passes_per_micro_batch * nbytes / (p.host_link_gbps * 1e9)
+        return micro_batches * passes_per_micro_batch * host_copy_s(nbytes, p)
     return 0.0
+
+
+def host_copy_s(nbytes: float, p: CostParams) -> float:
+    """``nbytes`` one way over the GPU <-> host link (``p.host_link_gbps``)."""
+    return nbytes / (p.host_link_gbps * 1e9)
 
 
 def optimizer_offload_s(opt_share_params: float, p: CostParams) -> float:
     """Adam moments (fp32 m and v: 8 bytes per parameter of the optimizer's shard) loaded to the GPU
     before an update call and offloaded after it (verl ``optimizer_offload``)."""
-    return 2 * opt_share_params * 8.0 / (p.host_link_gbps * 1e9)
+    return 2 * host_copy_s(opt_share_params * 8.0, p)
 
 
 def fsdp_cpu_floor_s(micro_batches: float, layers: int, passes: int, gpu_s: float, p: CostParams,
@@ -575,12 +580,7 @@ def engine_wake_s(weights_bytes: float, kv_bytes: float, p: CostParams) -> float
     and its KV cache pool, released at sleep, is created and mapped again in GPU memory
     (``p.kv_remap_s_per_gib`` per GiB: 3.9 ms, vLLM 0.26 re-creating 69 GiB in 0.27 s, corpus row
     ``srtslurm-001``). The vLLM sleep-mode blog's wake-ups on A100 (corpus ``vllmsleep-*``) check it."""
-    return weights_bytes / (p.host_link_gbps * 1e9) + max(0.0, kv_bytes) / GiB * p.kv_remap_s_per_gib
-
-
-def engine_sleep_s(weights_bytes: float, p: CostParams) -> float:
-    """Its sleep: the weights out to host memory (the KV pool is released without a copy)."""
-    return weights_bytes / (p.host_link_gbps * 1e9)
+    return host_copy_s(weights_bytes, p) + max(0.0, kv_bytes) / GiB * p.kv_remap_s_per_gib
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
@@ -632,7 +632,8 @@ def _generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, c
                                    concurrency, job.rollout.enforce_eager)
     t = {"prefill": t_prefill, **dict(acc)}
     if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep; KV pool re-created
-        t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + engine_sleep_s(weights, p)
+        # sleep: the weights out to host memory, the KV pool released without a copy
+        t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + host_copy_s(weights, p)
     kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
     transient = {"weights": weights, "kv_cache": kv_used, "workspace": workspace}
     waves = math.ceil(n / concurrency)
@@ -781,8 +782,7 @@ def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, 
 
 def offload_s(nbytes: float, params: CostParams | None = None) -> float:
     """Moving a resident state to host memory and back once per step."""
-    p = params or CostParams()
-    return 2 * nbytes / (p.host_link_gbps * 1e9)
+    return 2 * host_copy_s(nbytes, params or CostParams())
 
 
 def trainable(role: str) -> bool:

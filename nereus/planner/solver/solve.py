@@ -97,9 +97,7 @@ def _warm_start(problem: PlanProblem, t: Tables, hint, time_limit_s: float, work
     from nereus.planner.solver.backends import solve_cpsat
     from nereus.planner.solver.formulation import Formulation
 
-    small = thin_options(t)
-    if any(not opts for opts in small.options):
-        return hint
+    small = thin_options(t)  # every unit keeps an option per pool size it had
     form = Formulation(problem, small)
     if hint is not None and all(hint[1].unit_option[u] in small.options[u] for u in range(len(small.units))):
         form.set_hint(hint[1])
