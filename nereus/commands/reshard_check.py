@@ -9,7 +9,10 @@ Qwen3 (q/k norm) from ``nereus.executor.hf.arch.TINY``; ``--precision bf16-mixed
 with fp32 master and Adam moments (the planner's default kinds). With ``--inject-fault [KIND]`` a
 failure is injected in every case at a random round on a random rank (``before-send``: an
 exception before the rank posts; ``after-receive``: an exception once its bytes arrived;
-``corrupt``: one bit flipped in a message it receives; ``kill``: its process dies of SIGKILL;
+``corrupt``: one bit flipped in a message it receives; ``corrupt-pack``: one bit flipped in its
+packed staging copy of an outgoing message, after packing (in a strided piece where one is
+packed); ``corrupt-unpack``: one bit flipped in a piece it unpacked into its destination region;
+``kill``: its process dies of SIGKILL;
 ``hang``: it stops answering past ``--timeout``; no KIND: ``before-send`` or ``hang`` at random).
 A case passes when every rank rolled back to checksums identical to before (for ``kill``: every
 surviving rank); exit 0 when every case passed, 1 otherwise, 2 on bad input.
@@ -29,8 +32,8 @@ from nereus.commands.common import console, nonneg_int, pos_int, torchrun_world,
 
 ARCHS = ("reference", "llama", "qwen2", "qwen3")
 PRECISIONS = ("fp32", "bf16-mixed")
-FAULTS = {"before-send": "raise", "after-receive": "after-receive", "corrupt": "corrupt", "kill": "kill",
-          "hang": "hang"}
+FAULTS = {"before-send": "raise", "after-receive": "after-receive", "corrupt": "corrupt",
+          "corrupt-pack": "corrupt-pack", "corrupt-unpack": "corrupt-unpack", "kill": "kill", "hang": "hang"}
 """``--inject-fault`` choices -> ``FaultSpec.kind``."""
 
 
@@ -130,14 +133,21 @@ def _job(args):
 
 
 def _fault_for(rng: random.Random, choice: str, tp, world: int, timeout_s: float):
-    """The fault of one case. ``corrupt`` and ``after-receive`` hit a rank where bytes arrive
-    (a receiver of a cross-rank piece, in that piece's round), the others any rank and round."""
+    """The fault of one case. ``corrupt``, ``corrupt-unpack`` and ``after-receive`` hit a rank
+    where bytes arrive (a receiver of a cross-rank piece, in that piece's round), ``corrupt-pack``
+    a sender; both corruptions of staging copies pick a piece below the bucket size, which always
+    travels packed (the fault also fires in a later exchange of that rank if need be). The
+    others hit any rank and round."""
     from nereus.executor.apply import FaultSpec
+    from nereus.executor.transport import BUCKET_BYTES
 
     kind = rng.choice(("raise", "hang")) if choice == "random" else FAULTS[choice]
-    if kind in ("corrupt", "after-receive"):
-        op = rng.choice([op for op in tp.ops if not op.is_copy])
-        rank, rnd = op.dst_gpu, op.round
+    if kind in ("corrupt", "after-receive", "corrupt-pack", "corrupt-unpack"):
+        moves = [op for op in tp.ops if not op.is_copy]
+        if kind in ("corrupt-pack", "corrupt-unpack"):
+            moves = [op for op in moves if op.region.nbytes < BUCKET_BYTES] or moves
+        op = rng.choice(moves)
+        rank, rnd = (op.src_gpu if kind == "corrupt-pack" else op.dst_gpu), op.round
     else:
         rank, rnd = rng.randrange(world), rng.randrange(tp.rounds)
     return FaultSpec(rank=rank, round=rnd, kind=kind, hang_s=2 * timeout_s if kind == "hang" else 0.0)

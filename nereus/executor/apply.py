@@ -54,9 +54,15 @@ class FaultSpec:
     rank once that exchange's bytes have arrived (the data moved, nothing verified or committed
     yet); ``corrupt``: one bit of the first message that rank receives in that exchange flips
     before it is unpacked (a byte corrupted in flight: only the receiver can tell);
-    ``corrupt-copy``: the first element of the first local copy that rank makes in that
-    exchange is off by one after the copy (memory or a copy gone wrong: only the destination's
-    checksum can tell);
+    ``corrupt-copy``: one bit of the first element of the first local copy that rank makes in
+    that exchange flips after the copy (memory or a copy gone wrong: only the destination's
+    checksum can tell); ``corrupt-pack``: one bit of that rank's packed staging copy of an
+    outgoing message flips after packing, before its checksums are taken and it is posted (in a
+    strided piece where the message carries one: the case a hash of the packed copy cannot see);
+    ``corrupt-unpack``: one bit of the first piece that rank unpacks from a staged message (else
+    of the first piece it receives) flips in its destination region before it is hashed there.
+    The four ``corrupt`` kinds fire in the exchange holding ``round``, or the first one after it
+    where there is something of their kind to corrupt;
     ``slow-vote``: that rank verifies everything, then stalls ``hang_s`` before it votes (a
     straggler; ``round`` is ignored); ``kill``: that rank's process dies of SIGKILL before it
     posts the exchange holding ``round`` (no exception, no vote, no goodbye: its peers learn of it
@@ -68,7 +74,47 @@ class FaultSpec:
             raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
 
 
-FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "corrupt-copy", "slow-vote", "kill")
+FAULT_KINDS = ("raise", "hang", "after-receive", "corrupt", "corrupt-copy", "corrupt-pack", "corrupt-unpack",
+               "slow-vote", "kill")
+CORRUPTIONS = ("corrupt", "corrupt-copy", "corrupt-pack", "corrupt-unpack")
+
+
+class _Corruption:
+    """An injected corruption (``FaultSpec`` kinds in ``CORRUPTIONS``): armed from the exchange
+    holding its round until it has fired once."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.fired = False
+
+    def armed(self, kind: str) -> bool:
+        return self.kind == kind and not self.fired
+
+
+def _flip_bit(t: torch.Tensor) -> None:
+    """Flip the lowest bit of the first element of ``t`` (any dtype, any strides) in place."""
+    t.as_strided((1,), (1,)).view(torch.uint8)[0] ^= 1
+
+
+def _corrupt_packed(sends: list, carried: list, sums: SourceSums, corruption: "_Corruption") -> None:
+    """``corrupt-pack``: one bit of a packed outgoing message, in a strided piece if one is packed
+    (its old sender hash was taken from this very copy), else at the start of the first."""
+    packed = [(buf, parts) for (_, buf), parts in zip(sends, carried) if sums.made_for_message(buf)]
+    at = None
+    for buf, parts in packed:
+        pos = 0
+        for part in parts:
+            if not part.is_contiguous() and part.numel():
+                at = (buf, pos)
+                break
+            pos += part.numel()
+        if at is not None:
+            break
+    if at is None and packed and packed[0][0].numel():
+        at = (packed[0][0], 0)
+    if at is not None:
+        _flip_bit(at[0].view(-1)[at[1]:])
+        corruption.fired = True
 
 
 class RolledBack(TransitionError):
@@ -194,7 +240,8 @@ def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int])
 
 
 def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Transport, timeout_s: float,
-               counters: dict, sums: SourceSums, rnd: str, verify_previous=None, corrupt: str = ""):
+               counters: dict, sums: SourceSums, rnd: str, verify_previous=None,
+               corrupt: "_Corruption | None" = None):
     """One exchange of prepared items (``_prepare``). Receives are posted first (the transport
     buckets the small pieces; large ones land directly in their destination region), then each
     outgoing message right after this rank checksummed the pieces it carries, from their source
@@ -219,7 +266,9 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
         else:
             local.append((peer, view, nbytes, region))
     sums_out: dict[int, list[int]] = defaultdict(list)
-    posted = transport.start(before_send=lambda peer, buf, parts: sums_out[peer].extend(sums.message(buf, parts)))
+    posted = transport.start(before_send=lambda peer, buf, parts: sums_out[peer].extend(sums.message(buf, parts)),
+                             after_pack=(lambda sends, carried: _corrupt_packed(sends, carried, sums, corrupt))
+                             if corrupt is not None and corrupt.armed("corrupt-pack") else None)
     recv_peers = [peer for peer, _ in posted.recvs] if posted else []
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
@@ -238,8 +287,9 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     copies: list[tuple[Region, int, int]] = []
     for source, target, nbytes, region in local:
         target.copy_(source)
-        if corrupt == "corrupt-copy" and not copies and target.numel():
-            target[(0,) * target.dim()] += 1  # the fault: the first element of the first copy is off
+        if corrupt is not None and corrupt.armed("corrupt-copy") and target.numel():
+            _flip_bit(target)  # the fault: a bit of the first copy's first element flipped after the copy
+            corrupt.fired = True
         copies.append((region, sums(source), checksum(target)))
         counters["copied"] += nbytes
     if verify_previous is not None:
@@ -248,13 +298,21 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     got: dict[int, list[tuple[Region, int]]] = defaultdict(list)
 
     def arrived(i: int, buf: torch.Tensor) -> None:
-        if corrupt == "corrupt" and i == 0 and buf.numel():
-            buf.view(-1).view(torch.uint8)[0] ^= 1  # the fault: one bit flipped in flight
+        if corrupt.armed("corrupt") and buf.numel():
+            _flip_bit(buf)  # the fault: one bit flipped in flight
+            corrupt.fired = True
+
+    staged_lists = {id(p) for p in posted.staged if p is not None} if posted is not None else set()
 
     def landed(peer: int, parts: list[torch.Tensor]) -> None:
+        if (corrupt is not None and corrupt.armed("corrupt-unpack") and parts and parts[0].numel()
+                and (id(parts) in staged_lists or not staged_lists)):
+            _flip_bit(parts[0])  # the fault: a bit of an unpacked piece flipped in its destination region
+            corrupt.fired = True
         got[peer].extend(zip((landing[id(part)] for part in parts), checksums_of(parts)))
 
-    transport.finish(posted, timeout_s, on_arrival=arrived if corrupt == "corrupt" else None, landed=landed)
+    transport.finish(posted, timeout_s, on_arrival=arrived if corrupt is not None and corrupt.armed("corrupt") else None,
+                     landed=landed)
     del posted  # staging buffers go back to the arena now, not when the next exchange has run
     transport.finish(posted_sums, timeout_s)
     counters["arrived"] += incoming
@@ -282,10 +340,6 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
 
 def _where(r: Region) -> str:
     return f"{r.model}:{r.tensor}/{r.kind} at {r.offsets}+{r.lengths}"
-
-
-def _fault_here(fault: FaultSpec | None, rank: int, lo: int, hi: int, kind: str) -> bool:
-    return fault is not None and fault.rank == rank and lo <= fault.round <= hi and fault.kind == kind
 
 
 def _inject(fault: FaultSpec | None, rank: int, lo: int, hi: int, when: str) -> None:
@@ -500,12 +554,13 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                      for lo, hi in groups for it in [[x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())]]}
             verify = None
             sums = SourceSums(store)
+            corruption = _Corruption(fault.kind) if fault is not None and fault.rank == rank \
+                and fault.kind in CORRUPTIONS else None
             for lo, hi in groups:
                 _inject(fault, rank, lo, hi, "before")
                 verify = _run_round(items[lo], store, rank,
                                     transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify,
-                                    corrupt=next((k for k in ("corrupt", "corrupt-copy")
-                                                  if _fault_here(fault, rank, lo, hi, k)), ""))
+                                    corrupt=corruption if corruption is not None and fault.round <= hi else None)
                 counters["exchanges_done"] += 1
                 _inject(fault, rank, lo, hi, "after")
             if verify is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Iterable, Iterator
 
 import torch
@@ -93,6 +94,7 @@ def _native_xxh3():
     except (OSError, AttributeError):
         return None
     fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+
     probe = bytes(range(256)) * 9  # crosses XXH3's short-, mid- and long-input paths
     buf = ctypes.create_string_buffer(probe, len(probe))
     for n in (0, 3, 17, 129, 240, 241, len(probe)):
@@ -102,6 +104,21 @@ def _native_xxh3():
 
 
 _XXH3 = _native_xxh3()
+
+
+def _streaming_lib():
+    """libxxhash's streaming XXH3 (create, reset, update, digest), or None with no libxxhash."""
+    if _XXH3 is None:
+        return None
+    lib = ctypes.CDLL("libxxhash.so.0")
+    lib.XXH3_createState.restype = ctypes.c_void_p
+    lib.XXH3_64bits_reset.argtypes = [ctypes.c_void_p]
+    lib.XXH3_64bits_update_dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.XXH3_64bits_digest.restype, lib.XXH3_64bits_digest.argtypes = ctypes.c_uint64, [ctypes.c_void_p]
+    return lib
+
+
+_XXH3_LIB = _streaming_lib()
 CHECKSUM_IMPL = "libxxhash XXH3_64bits_dispatch" if _XXH3 is not None else "python xxhash (SSE2)"
 """Which XXH3 ``checksum`` runs (``NEREUS_PY_XXHASH=1`` forces the Python package)."""
 
@@ -171,26 +188,90 @@ def checksums_of(parts: list[torch.Tensor]) -> list[int]:
 
 
 def checksum(t: torch.Tensor) -> int:
-    """XXH3-64 of the tensor's raw bytes, as a non-negative int64 (CPU tensors); ``device_hash``
-    on the device for tensors elsewhere (GPU), with only its 8 bytes read back.
+    """XXH3-64 of the tensor's raw bytes in row-major order, as a non-negative int64 (CPU
+    tensors); ``device_hash`` on the device for tensors elsewhere (GPU), with only its 8 bytes
+    read back.
 
     Equal for bit-identical tensors whatever their strides; a flipped bit, swapped, moved or
     truncated bytes change it (up to a 2**-63 collision). One pass over the bytes and a small
     per-call cost: that matters because it runs on both ends of every message. Runs the system
     libxxhash where present (vectorised for this CPU: 1.8x the Python package on bytes in cache
-    here), else the ``xxhash`` package; both compute the same value.
+    here), else the ``xxhash`` package; both compute the same value. A strided tensor larger
+    than ``HASH_CHUNK_BYTES`` is hashed from its own memory through a buffer of that size
+    (XXH3's streaming form: the same value as hashing a contiguous copy, without the copy).
     """
     flat = t.detach()
     if flat.device.type != "cpu" or DEVICE_HASH_ON_CPU:
         return _host_ints([device_hash(flat)])[0]
-    flat = flat.contiguous()
     n = flat.numel() * flat.element_size()
+    if not flat.is_contiguous():
+        if n > HASH_CHUNK_BYTES:
+            return _streamed_xxh3(flat)
+        flat = flat.contiguous()
     if _XXH3 is not None:
         return _XXH3(flat.data_ptr(), n) & 0x7FFFFFFFFFFFFFFF
     if n == 0:
         return xxhash.xxh3_64_intdigest(b"") & 0x7FFFFFFFFFFFFFFF
     # the bytes in place, through the buffer protocol, as uint8 (any dtype incl. bf16)
-    return xxhash.xxh3_64_intdigest(flat.reshape(-1).view(torch.uint8).numpy()) & 0x7FFFFFFFFFFFFFFF
+    return xxhash.xxh3_64_intdigest(_bytes_of(flat)) & 0x7FFFFFFFFFFFFFFF
+
+
+HASH_CHUNK_BYTES = 4 << 20
+"""A strided CPU tensor above this size is hashed chunk by chunk through a buffer of this size
+(``checksum``): the memory a checksum takes is bounded whatever the piece."""
+
+
+def _bytes_of(dense: torch.Tensor):
+    return dense.reshape(-1).view(torch.uint8).numpy()
+
+
+def dense_chunks(t: torch.Tensor, max_elems: int) -> Iterator[torch.Tensor]:
+    """Views of ``t`` that cover it in row-major order, each of at most ``max_elems`` elements
+    (or one row of its last dim when that is longer), in order: hashing them one after the other
+    is hashing the tensor. Example: shape (1000, 300), max 64,000 -> rows [0, 213), [213, 426), ..."""
+    if t.dim() <= 1 or t.numel() <= max_elems:
+        if t.dim() == 1 and t.numel() > max_elems:
+            for lo in range(0, t.shape[0], max_elems):
+                yield t[lo:lo + max_elems]
+        else:
+            yield t
+        return
+    row = t[0].numel()
+    if row == 0:
+        return
+    if row > max_elems:
+        for i in range(t.shape[0]):
+            yield from dense_chunks(t[i], max_elems)
+        return
+    step = max(1, max_elems // row)
+    for lo in range(0, t.shape[0], step):
+        yield t[lo:lo + step]
+
+
+_STREAM = threading.local()
+"""One XXH3 streaming state per thread (the mock transport's ranks are threads)."""
+
+
+def _streamed_xxh3(t: torch.Tensor) -> int:
+    """XXH3-64 of a strided CPU tensor's row-major bytes, fed in chunks through one buffer of at
+    most ``HASH_CHUNK_BYTES`` (the same value as ``checksum`` of its contiguous copy)."""
+    limit = max(1, HASH_CHUNK_BYTES // t.element_size())
+    buf = torch.empty(min(t.numel(), limit), dtype=t.dtype)
+    if _XXH3_LIB is None:
+        h = xxhash.xxh3_64()
+        for c in dense_chunks(t, limit):
+            d = c if c.is_contiguous() else buf[:c.numel()].view(c.shape).copy_(c)
+            h.update(_bytes_of(d))
+        return h.intdigest() & 0x7FFFFFFFFFFFFFFF
+    lib = _XXH3_LIB
+    state = getattr(_STREAM, "state", None)
+    if state is None:
+        state = _STREAM.state = lib.XXH3_createState()
+    lib.XXH3_64bits_reset(state)
+    for c in dense_chunks(t, limit):
+        d = c if c.is_contiguous() else buf[:c.numel()].view(c.shape).copy_(c)
+        lib.XXH3_64bits_update_dispatch(state, d.data_ptr(), d.numel() * d.element_size())
+    return lib.XXH3_64bits_digest(state) & 0x7FFFFFFFFFFFFFFF
 
 
 class SourceSums:
@@ -205,31 +286,23 @@ class SourceSums:
         """A packed bucket or a contiguous copy, not a view of a source region."""
         return buf.untyped_storage().data_ptr() not in self.sources
 
-    def __call__(self, piece: torch.Tensor, dense: torch.Tensor | None = None) -> int:
-        """Checksum of ``piece``; ``dense``: the same elements already packed contiguously (a
-        strided piece's staging copy), hashed instead of copying the piece again."""
+    def __call__(self, piece: torch.Tensor) -> int:
+        """Checksum of ``piece``, a view of a source region, read from that region itself (never
+        from a copy made for a message: a fault in packing must not be checked against itself)."""
         key = (piece.data_ptr(), tuple(piece.shape), piece.stride(), piece.dtype)
         value = self.memo.get(key)
         if value is None:
-            value = self.memo[key] = checksum(piece if dense is None or piece.is_contiguous() else dense)
+            value = self.memo[key] = checksum(piece)
         return value
 
     def message(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
-        """The checksums of the pieces one outgoing message carries (``buf``: their elements
-        back to back), in order. On a device: hashed there, 8 bytes per piece read back at once."""
+        """The checksums of the pieces one outgoing message carries, in order, each hashed from
+        its source region (``buf``, their packed copy, is not read: the receiver's hash of what
+        landed is compared with the source, so packing is checked too). On a device: hashed
+        there, 8 bytes per piece read back at once."""
         if buf.device.type != "cpu" or DEVICE_HASH_ON_CPU:
             return self._on_device(buf, parts)
-        out, pos, flat = [], 0, None
-        for part in parts:
-            n = part.numel()
-            if part.is_contiguous():
-                out.append(self(part))
-            else:
-                flat = buf.view(-1) if flat is None else flat
-                out.append(self(part, flat[pos:pos + n]))
-            pos += n
-        return out
-
+        return [self(part) for part in parts]
 
     def _on_device(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
         keys = [(p.data_ptr(), tuple(p.shape), p.stride(), p.dtype) for p in parts]

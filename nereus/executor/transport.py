@@ -88,7 +88,7 @@ class Transport(ABC):
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
         self.finish(self.start(), timeout_s)
 
-    def start(self, before_send=None) -> "Posted | None":
+    def start(self, before_send=None, after_pack=None) -> "Posted | None":
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
@@ -97,7 +97,9 @@ class Transport(ABC):
         back to back; a tensor sent in place is ``buf`` itself): the caller's checksums.
         Streaming transports (gloo) post the receives first, then the sends in groups of
         ``SEND_GROUP_BYTES``, each right after its hook ran; the others (NCCL) run every hook,
-        then post the exchange as one batch."""
+        then post the exchange as one batch. ``after_pack(sends, carried)`` (fault injection)
+        sees every outgoing (peer, buffer) and the tensors each carries once packing is done,
+        before any hook or post."""
         out, inc = self._messages(self._sends), self._messages(self._recvs)
         self._sends, self._recvs = defaultdict(list), defaultdict(list)
         bufs = iter(_staging([m for _, m in out + inc]))
@@ -107,6 +109,8 @@ class Transport(ABC):
         carried = [[m] if isinstance(m, torch.Tensor) else m for _, m in out]
         if not sends and not recvs:
             return None
+        if after_pack is not None:
+            after_pack(sends, carried)
         self.messages += len(sends)
         self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
         t0 = time.perf_counter()
