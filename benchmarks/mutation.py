@@ -40,6 +40,11 @@ MODULES: dict[str, dict] = {
                              "tests/unit/test_controller_api.py",
                              "tests/unit/test_controller_restart.py", "tests/unit/test_controller_rollback.py",
                              "tests/unit/test_shape_calibration.py"]},
+    "admission": {"path": "nereus/planner/online/admission.py", "isolation": "fork",
+                   "tests": ["tests/unit/test_controller_thresholds.py", "tests/unit/test_controller_decisions.py",
+                             "tests/unit/test_controller_api.py",
+                             "tests/unit/test_controller_restart.py", "tests/unit/test_controller_rollback.py",
+                             "tests/unit/test_shape_calibration.py"]},
     "solve": {"path": "nereus/planner/solver/solve.py", "isolation": "fork",
               "tests": ["tests/unit/test_solver.py", "tests/unit/test_solver_oracle.py",
                         "tests/unit/test_solver_statuses.py"],
@@ -49,9 +54,12 @@ MODULES: dict[str, dict] = {
                               "tests/unit/test_solver_statuses.py"],
                     "deselect": [f"tests/unit/test_solver.py::test_backends_agree_with_brute_force[{i}]"
                                  for i in range(10, 30)]},
-    "cost": {"path": "nereus/planner/cost/model.py", "isolation": "fork",
+    "cost": {"path": "nereus/planner/cost/passes.py", "isolation": "fork",
              "tests": ["tests/unit/test_cost.py", "tests/unit/test_cost_mechanisms.py",
                        "tests/unit/test_cost_formulas.py", "tests/unit/test_cost_terms.py"]},
+    "generation": {"path": "nereus/planner/cost/generation.py", "isolation": "fork",
+                   "tests": ["tests/unit/test_cost.py", "tests/unit/test_cost_mechanisms.py",
+                             "tests/unit/test_cost_formulas.py", "tests/unit/test_cost_terms.py"]},
 }
 """Module -> the file mutated, its fast unit tests (files that do not exist are skipped; ``deselect``:
 slow parametrisations left out, 10 of the solver's 30 random brute-force instances are kept), and

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from nereus.planner.online.controller import Controller, StepMetrics, _Candidate, _trapezoid
+from nereus.planner.online.controller import Controller, StepMetrics
+from nereus.planner.online.library import Candidate as _Candidate, trapezoid as _trapezoid
 from nereus.planner.online.plan_cache import tp_pp_of
 
 from controller_env import env  # noqa: F401 - the scenario's module fixture

@@ -325,7 +325,7 @@ def test_plan_predicted_to_fail_later_is_left_when_the_alternative_repays_before
     plan stays until the must-switch. (Before, the infinite horizon made every saving look like
     model noise, and such a plan was never left.) A free move (cost 0) to a plan that fits the
     whole horizon is taken at once, even a slower one: the failure forecast is the memory model's."""
-    from nereus.planner.online.controller import _Candidate, _trapezoid
+    from nereus.planner.online.library import Candidate as _Candidate, trapezoid as _trapezoid
 
     ctl = _ctl(env, _const(1.0))
     offsets = ctl._offsets(0)

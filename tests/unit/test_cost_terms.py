@@ -10,6 +10,7 @@ import pytest
 from nereus.errors import SpecError
 from nereus.models import preset
 from nereus.planner.cost import model as cm
+from nereus.planner.cost.comm import links
 from nereus.planner.cost.model import StageOptions, decode_terms, estimate
 from nereus.planner.cost.params import CostParams, allreduce_s
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, RolloutSpec
@@ -31,7 +32,7 @@ def test_one_node_decode_all_reduce_is_the_general_all_reduce(tp):
     """decode_terms computes the one-node all-reduce's latency and ring factor once; per layer it must
     equal ``allreduce_s`` on one node (2 all-reduces per layer of the active rows' hidden states)."""
     p = CostParams()
-    intra, inter = cm._links(H100, p)
+    intra, inter = links(H100, p)
     terms = decode_terms(M8B, tp, 1, H100, p)
     for active in (1.0, 37.0, 256.0):
         act = active * M8B.hidden * 2

@@ -72,7 +72,7 @@ def test_reader_returns_a_sane_object_or_a_one_line_error_naming_the_file(name, 
 def test_the_fuzz_fails_a_reader_that_raises_valueerror_instead_of_specerror(tmp_path, monkeypatch):
     """The harness can fail: a cluster reader whose number check raises a plain ValueError (as it
     would without SpecError) is caught within the first cases."""
-    import nereus.planner.specs as specs
+    import nereus.planner.cluster as specs  # where the cluster spec checks its numbers
 
     real = specs.number
 

@@ -84,6 +84,7 @@ def test_decode_iteration_matches_terms():
 def test_decode_phase_cache_keys_everything_it_depends_on():
     """Generation estimates with the decode-integral cache warm equal fresh ones, over workloads and
     KV budgets that differ in one thing at a time (p90, cap, mean, concurrency, TP, engine, eager)."""
+    from nereus.planner.cost import generation as G
     from nereus.planner.cost import model as M
     from nereus.planner.specs import ParallelConfig, RolloutSpec
 
@@ -101,12 +102,12 @@ def test_decode_phase_cache_keys_everything_it_depends_on():
         out = []
         for j, w, tp, budget in cases:
             if clear:
-                M._decode_phase.cache_clear()
+                G._decode_phase.cache_clear()
             e = M.estimate(j, cluster, "actor/generation", ParallelConfig(tp=tp, dp=8 // tp), w, p, kv_budget_bytes=budget)
             out.append((e.time_s, tuple(sorted(e.time_breakdown.items()))))
         return out
 
     fresh = run(True)
-    M._decode_phase.cache_clear()
+    G._decode_phase.cache_clear()
     assert run(False) == fresh
     assert len(set(fresh)) > len(cases) // 2  # the cases do differ

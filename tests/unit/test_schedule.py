@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nereus.errors import TransitionError
 
 from nereus.planner.plan import Plan, StagePlacement
-from nereus.planner.transition.schedule import ScheduleProblem, greedy, lower_bound, replay_peak, schedule_transition
+from nereus.planner.transition.schedule import ScheduleProblem, greedy, lower_bound, replay_peak
+from nereus.planner.transition.schedule_cpsat import schedule_transition
 from nereus.planner.specs import ParallelConfig, load_cluster, load_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -39,52 +39,37 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from nereus.errors import NereusError
-from nereus.models.inventory import check_tp
-from nereus.models.spec import ModelSpec
+from nereus.planner.cost.params import CostParams
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times
+from nereus.planner.online.admission import AdmissionRules
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.calibration import OnlineCalibration
-from nereus.planner.online.types import Decision, StepMetrics
-from nereus.planner.cost.params import CostParams
 from nereus.planner.online.forecast import LengthForecaster
-from nereus.planner.plan import GiB, Plan, StagePlacement
-from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, keep_layout
-from nereus.planner.online.restart import TRANSITION_MODES, Emitter, RestartCost, restart_seconds
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times
+from nereus.planner.online.library import (
+    Candidate,
+    CandidateLibrary,
+    features,
+    gen_tp_variants,
+    layout,
+    stage_key,
+    trapezoid,
+)
+from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache
+from nereus.planner.online.reserve import MemoryReserve
+from nereus.planner.online.restart import Emitter, RestartCost, RestartMode
+from nereus.planner.online.types import Decision, StepMetrics
+from nereus.planner.plan import GiB, Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 MODES = ("adaptive", "always")
-__all__ = ["Controller", "Decision", "StepMetrics", "MODES"]
+__all__ = ["Controller", "Decision", "StepMetrics", "MODES", "gen_tp_variants"]
 
 
-@dataclass(slots=True)
-class _Candidate:
-    plan: Plan
-    origin: str
-    cost_s: float = 0.0
-    horizon_s: float = math.inf
-    feasible_next: bool = False
-    times: tuple[float, ...] = ()
-    """Predicted step time at each forecast point of the horizon (inf where it does not fit)."""
-
-    @property
-    def net_s(self) -> float:
-        return self.horizon_s + self.cost_s
-
-
-def _trapezoid(times, offsets) -> float:
-    """Seconds over the horizon from step times at the forecast points (trapezoid rule)."""
-    total, prev_k, prev_t = times[0], offsets[0], times[0]
-    for k, t in zip(offsets[1:], times[1:]):
-        total += (k - prev_k) * (t + prev_t) / 2
-        prev_k, prev_t = k, t
-    return total
-
-
-class Controller:
+class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
     """See the module docstring. ``rule`` restricts the layouts it may choose (baselines);
     ``mode="always"`` switches to the best plan every step, ignoring transition cost."""
 
@@ -170,7 +155,7 @@ class Controller:
         self._h = offsets[-1]
         ws = [self._forecast_workload(k, cap, w_obs.prompt_len) for k in offsets]
         self._ws0 = ws[0]
-        cur = _Candidate(self.plan, "current")
+        cur = Candidate(self.plan, "current")
         self._score(cur, ws, offsets)
         self._cur_horizon_s = cur.horizon_s
         regime_change = self.gpus != self._prev_gpus
@@ -203,8 +188,8 @@ class Controller:
         failed, self.plan, self._prev_plan = self.plan, prev, None
         self._on_plan = 0
         self._streak = ((), 0)
-        self.audit.record({"step": step, "decision": "rollback", "reason": reason, "plan": _layout(prev),
-                           "failed_plan": _layout(failed)})
+        self.audit.record({"step": step, "decision": "rollback", "reason": reason, "plan": layout(prev),
+                           "failed_plan": layout(failed)})
 
     def close(self) -> None:
         self.audit.close()
@@ -221,12 +206,6 @@ class Controller:
             self._cap = int(m.response_len_max)
         return self._cap
 
-    def _mem_quantum(self) -> float:
-        """The step, in GiB, by which memory reserves are rounded up: 1 GiB, or 1/64 of a GPU's usable
-        memory where that is less (a 1 GiB quantum on a device of a few GiB, or the demo's MiB
-        budgets, would reserve most of it for any underestimate)."""
-        return min(1.0, self.cluster.gpu.usable_bytes / GiB / 64)
-
     def _observed_workload(self, m: StepMetrics) -> Workload:
         b = self._base_w
         mx = max(int(m.response_len_max), int(math.ceil(m.response_len_mean)))
@@ -241,13 +220,8 @@ class Controller:
         if hit is None or hit[0] is not plan:
             if len(self._keys) > 4096:
                 self._keys.clear()
-            hit = self._keys[id(plan)] = (plan, tuple((s.name, _stage_key(s), features(s)) for s in plan.stages))
+            hit = self._keys[id(plan)] = (plan, tuple((s.name, stage_key(s), features(s)) for s in plan.stages))
         return hit[1]
-
-    def _reserve_for(self, plan: Plan) -> float:
-        """Memory held back when judging ``plan``: its own measured underestimate once it has run
-        (a plan that ran out of memory keeps all of it), else the reserve calibration learned."""
-        return self._plan_reserve.get(plan.key(), self._reserve)
 
     def _times(self, plan: Plan, w: Workload) -> PlanTimes:
         """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
@@ -295,7 +269,7 @@ class Controller:
         for ms, obs in m.stage_times.items():
             if ms in pred.stage_s:
                 s = self.plan.stage(ms)
-                self.calibration.update(ms, float(obs), pred.stage_s[ms], _stage_key(s), features(s))
+                self.calibration.update(ms, float(obs), pred.stage_s[ms], stage_key(s), features(s))
 
     def _offsets(self, step: int) -> tuple[int, ...]:
         h = self.horizon
@@ -322,12 +296,6 @@ class Controller:
             return math.inf, False
         return compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s), True
 
-    def _proven(self, plan: Plan, w: Workload, slack: float = 0.05) -> bool:
-        """Measurement beats the memory model: ``plan`` already ran without OOM at ``w``'s cap and a
-        mean length within ``slack`` of ``w``'s."""
-        ev = self._ran_ok.get(plan.key())
-        return ev is not None and ev[0] == w.response_len_max and w.response_len_mean <= ev[1] * (1 + slack)
-
     def _corrected(self, plan: Plan, stage_s, kappa: float = 0.0) -> dict[str, float]:
         """Stage times x the learned factors (``kappa`` > 0: optimistic by kappa sd where the
         config was never run)."""
@@ -339,7 +307,7 @@ class Controller:
             out[name] = stage_s[name] * f
         return out
 
-    def _score(self, c: _Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
+    def _score(self, c: Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
         """Predicted seconds over the horizon (trapezoid over the forecast points)."""
         if c.plan.num_gpus > self.gpus:
             c.horizon_s, c.feasible_next = math.inf, False
@@ -347,7 +315,7 @@ class Controller:
         times = [self.predict(c.plan, w)[0] for w in ws]
         c.feasible_next = math.isfinite(times[0])
         c.times = tuple(times)
-        c.horizon_s = _trapezoid(times, offsets)
+        c.horizon_s = trapezoid(times, offsets)
 
     def transition_cost(self, a: Plan, b: Plan) -> float:
         """Predicted seconds of a -> b (transition planner's estimate x learned correction; in restart
@@ -363,360 +331,15 @@ class Controller:
                                         else self.plans.transition_cost(a, b))
         return self.calibration.predict_transition(c)
 
-    # ---- restart mode (transition_mode="restart") ---------------------------------------------------
-    def _init_restart_mode(self, transition_mode: str, framework: str | None, emitter: Emitter | None,
-                           restart_cost: RestartCost | None) -> None:
-        """``transition_mode``: "live" (the executor reshards in place, priced by the transition
-        planner) or "restart" (the framework saves a checkpoint and relaunches with the new launch
-        configuration, priced by ``restart.restart_seconds``; every change of launch configuration,
-        knobs included, is a relaunch). ``framework`` (e.g. "verl") with ``emitter`` (the frameworks
-        package's ``launch_config``): a restart-mode switch carries the new plan as that framework's
-        launch configuration (``Decision.framework_config``); no framework: none."""
-        if transition_mode not in TRANSITION_MODES:
-            raise NereusError(f"controller: transition_mode must be one of {TRANSITION_MODES}, got {transition_mode!r}")
-        if framework is not None and emitter is None:
-            raise NereusError(f"controller: framework={framework!r} needs emitter= (the frameworks package's "
-                              f"launch_config; the planner does not import the emitters)")
-        self.transition_mode, self.framework, self._emitter = transition_mode, framework, emitter
-        self.restart_cost = restart_cost or RestartCost()
-
-    def restart_cost_s(self, a: Plan, b: Plan) -> float:
-        """Predicted seconds of switching a -> b by checkpoint and relaunch (0 when the launch
-        configuration does not change), x the transition calibration learned from reported restarts."""
-        if a.key() == b.key():
-            return 0.0
-        key = (a.layout_key(), b.layout_key())  # the raw estimate, which report_transition calibrates
-        c = self._cost.get(key)
-        if c is None:
-            c = self._cost[key] = restart_seconds(self.job, self.cluster, a, b, self.restart_cost)
-        return self.calibration.predict_transition(c)
-
-    def _with_launch_config(self, d: Decision) -> Decision:
-        """A restart-mode switch carries the new plan as the framework's launch configuration."""
-        if d.action != "switch" or self.transition_mode != "restart" or self.framework is None:
-            return d
-        from nereus.planner.solver import PlanProblem
-
-        problem = PlanProblem(job=self.job, cluster=self.plans.cluster_for(d.plan.num_gpus), workload=self._ws0,
-                              params=self.calibration.params(self.base_params))
-        return replace(d, framework_config=dict(self._emitter(self.framework, problem, d.plan)))
-
-    def _must_reason(self, m: StepMetrics, cur: _Candidate) -> str:
-        if m.oom:
-            return f"step {m.step} ran out of memory on the current plan"
-        if self.plan.num_gpus > self.gpus:
-            return f"current plan uses {self.plan.num_gpus} GPUs, only {self.gpus} available"
-        if not cur.feasible_next:
-            return "current plan predicted out of memory next step"
-        return ""
-
-    # ---- candidates and admission ------------------------------------------------------------------
-    def _solver_workload(self, w: Workload) -> Workload:
-        """``w`` on the coarse grid the solver is asked on (plans are cached per grid cell)."""
-        r = math.log(self.solve_bucket_ratio)
-        mean = min(round(math.exp(round(math.log(w.response_len_mean) / r) * r), 1), 0.98 * w.response_len_max)
-        ratio = round(4 * w.p90 / w.response_len_mean) / 4  # coarse tail shape, so the cache key is stable
-        return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), ratio * mean), 1))
-
-    def _ask(self, origin: str, rule: LayoutRule, w: Workload) -> None:
-        if rule.anchor is not None or rule.placement == "colocated":
-            # pools fixed: the solver only picks knobs inside each stage, which per-stage factors do
-            # not reorder; asking with the base parameters lets calibration move without re-solves
-            params, ckey = self.base_params, ()
-        else:
-            params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
-        try:
-            # the solver plans with the memory reserve on a grid of 4 quanta (rounded up): a reserve that
-            # creeps up by a GiB does not re-solve everything
-            grid = 4.0 * self._mem_quantum()
-            reserve = grid * math.ceil(self._reserve / grid)
-            p = self.plans.best(rule, self._solver_workload(w), self.gpus, params, ckey, hint=self.plan,
-                                reserve_gib=reserve)
-        except NereusError:
-            p = None
-        if p is not None:
-            self._add(p, origin)
-            if rule.name == "free" and self.explore and origin in ("best-horizon", "best-next"):
-                # the same plan with the other generation TPs: the solver ranks them with stage-level
-                # factors only, the controller with the per-config and shape corrections it learned
-                for q in gen_tp_variants(p, self.job.model("actor"), self.cluster.gpus_per_node):
-                    if q.key() not in self._library:
-                        self._add(q, "gen-tp")
-
-    def _add(self, p: Plan, origin: str) -> None:
-        self._library.pop(p.key(), None)
-        self._library[p.key()] = (p, origin)
-        while len(self._library) > self.library_size:
-            self._library.pop(next(iter(self._library)))
-
-    def _candidates(self, ws: list[Workload], offsets: tuple[int, ...], must: bool) -> list[_Candidate]:
-        """Plans from the solver for the forecast (the fastest under the rule, and the fastest
-        keeping the current layout), plus the plans found earlier (a library re-scored every
-        step, which costs evaluations, not solves)."""
-        if self.mode == "always":
-            self._ask("best-next", self.rule, ws[0])
-        else:
-            self._ask("best-horizon", self.rule, ws[len(ws) // 2])
-            if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
-                # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
-                self._ask("keep-layout", keep_layout(self.plan), ws[len(ws) // 2])
-        cur = self.plan.key()
-        cur_s = self._cur_horizon_s
-        out = []
-        for key, (p, origin) in self._library.items():
-            # plans for fewer GPUs than granted stay in the library but are only scored when forced
-            if key == cur or p.num_gpus > self.gpus or (p.num_gpus < self.gpus and not must):
-                continue
-            c = _Candidate(p, origin, cost_s=math.inf)
-            self._score(c, ws, offsets)
-            out.append(c)
-        # the transition planner is only asked about the few fastest candidates that could pay for
-        # themselves (a bound per layout pair is tenths of a second at 1,024 GPUs)
-        could = sorted((c for c in out if c.feasible_next and (must or self.mode == "always" or c.horizon_s < cur_s)),
-                       key=lambda c: c.horizon_s)
-        for c in could[:self.cost_queries]:
-            c.cost_s = self.transition_cost(self.plan, c.plan)
-        if must and not any(c.feasible_next for c in out):
-            self._ask("best-next", self.rule, ws[0])
-            if self.rule.anchor is not None:
-                # the pools a baseline keeps no longer fit: a user relaunches with new ones (same TP/PP rule)
-                self._ask("re-pool", replace(self.rule, anchor=None), ws[0])
-            return self._candidates(ws, offsets, False) if self._library else out
-        return out
-
-    def _decide(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate], must: str,
-                regime_change: bool) -> Decision:
-        d = self._admit(m, cur, cands, must, regime_change)
-        # no probe while a switch is pending behind hysteresis, or within min_dwell of the last switch
-        if (d.action == "stay" and not must and self.explore and not d.reason.startswith("worth it")
-                and m.step - self._last_switch >= self.min_dwell):
-            probe = self._probe(m, cur, cands)
-            if probe is not None:
-                c, why = probe
-                d = self._switch(m, cur, c, "", why)
-                self._probes_left -= 1
-                self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
-        return d
-
-    def _probe(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate]) -> tuple[_Candidate, str] | None:
-        """Exploration: run a plan once to measure a config the model cannot be trusted on.
-
-        Only when probes are left in this GPU regime, the current plan ran at least 2 steps, and the
-        model is visibly wrong (|log(observed/predicted)| >= probe_threshold) on the current config
-        of a model-stage the candidate changes to a config never run. The candidate must look
-        plausible (mean prediction within probe_window of the current horizon time) and its
-        optimistic time (factors at mean - probe_kappa sd of the shape model) must save more than a
-        round trip of transitions x (1 + margin) and min_gain."""
-        if self._probes_left <= 0 or self._on_plan < 2 or not math.isfinite(cur.horizon_s):
-            return None
-        cal, best, best_gain = self.calibration, None, 0.0
-        for c in cands:
-            if not c.feasible_next or c.horizon_s > (1 + self.probe_window) * cur.horizon_s:
-                continue
-            changed = [s for s in c.plan.stages if _stage_key(s) != _stage_key(self.plan.stage(s.name))]
-            if not any(not cal.seen(s.name, _stage_key(s))
-                       and cal.residual(s.name, _stage_key(self.plan.stage(s.name))) >= self.probe_threshold
-                       for s in changed):
-                continue
-            t = self._times(c.plan, self._ws0)
-            mean_s = self.predict(c.plan, self._ws0)[0]
-            if not math.isfinite(mean_s):
-                continue
-            opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
-            gain = cur.horizon_s - c.horizon_s * opt_s / mean_s
-            cost = c.cost_s if math.isfinite(c.cost_s) else self.transition_cost(self.plan, c.plan)
-            if gain > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain > best_gain:
-                c.cost_s = cost
-                best, best_gain = c, gain
-        if best is None:
-            return None
-        return best, (f"probe: the model is off by >= {self.probe_threshold:.0%} on the current config; measured, "
-                      f"this plan could save up to {best_gain:.1f}s over the horizon (optimistic), "
-                      f"> 2 x {best.cost_s:.1f}s x (1 + {self.margin:g})")
-
-    def _admit(self, m: StepMetrics, cur: _Candidate, cands: list[_Candidate], must: str,
-               regime_change: bool) -> Decision:
-        """Admission (see the module docstring). A GPU-count change is a new regime: hysteresis
-        (patience, dwell) guards against noise, not against a cluster that just grew."""
-        feasible = [c for c in cands if c.feasible_next]
-        if self.mode == "always":
-            best = min(feasible, key=lambda c: self.predict(c.plan, self._ws0)[0]) if feasible else None
-            if best is None or (not must and self.predict(best.plan, self._ws0)[0] >= 0.995 * self.predict(cur.plan, self._ws0)[0]):
-                return self._stay(cur, best, must, "always: current plan is the best for next step")
-            return self._switch(m, cur, best, must, "always: best plan for next step")
-        if must:
-            if not feasible:
-                return self._stay(cur, None, must, "no feasible plan found for next step", feasible=False)
-            best = min(feasible, key=lambda c: c.net_s)
-            return self._switch(m, cur, best, must, f"must switch: {must}; lowest transition + horizon time")
-        if not feasible:
-            return self._stay(cur, None, "", "no alternative plan")
-        best = min(feasible, key=lambda c: c.net_s)
-        if not math.isfinite(best.net_s):  # every alternative fails later in the horizon, or its cost is unknown
-            self._streak = ((), 0)
-            return self._stay(cur, best, "", "no alternative is feasible over the whole horizon at a known cost")
-        if not math.isfinite(cur.horizon_s):
-            return self._admit_before_failure(m, cur, best, regime_change)
-        saving = cur.horizon_s - best.horizon_s
-        if saving <= 0:
-            self._streak = ((), 0)
-            return self._stay(cur, best, "", f"no alternative is faster over the horizon (the best is {-saving:.1f}s "
-                                             f"slower than the current {cur.horizon_s:.0f}s)")
-        if saving <= self.min_gain * cur.horizon_s and best.cost_s > 0:
-            self._streak = ((), 0)
-            return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is below {self.min_gain:.0%} of "
-                                             f"{cur.horizon_s:.0f}s (within model error)")
-        if saving <= best.cost_s * (1 + self.margin) or saving <= 0:
-            self._streak = ((), 0)
-            return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon does not repay "
-                                             f"{best.cost_s:.1f}s x (1 + {self.margin:g})")
-        held = self._hysteresis(m, cur, best, regime_change)
-        if held is not None:
-            return held
-        return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
-                                              f"x (1 + {self.margin:g})")
-
-    def _hysteresis(self, m: StepMetrics, cur: _Candidate, best: _Candidate, regime_change: bool) -> Decision | None:
-        """A worthwhile switch that costs time waits for ``min_dwell`` steps after the last one and
-        for the same winner ``patience`` steps in a row (not after a change of GPU count)."""
-        if best.cost_s <= 0 or regime_change:
-            return None
-        key = best.plan.layout_key()
-        n = self._streak[1] + 1 if self._streak[0] == key else 1
-        self._streak = (key, n)
-        if m.step - self._last_switch < self.min_dwell:
-            return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
-        if n < self.patience:
-            return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
-        return None
-
-    def _admit_before_failure(self, m: StepMetrics, cur: _Candidate, best: _Candidate, regime_change: bool) -> Decision:
-        """The current plan runs next step but is predicted to run out of memory later in the
-        horizon, while ``best`` fits all of it. Both are compared over the steps the current plan
-        still runs: ``best`` is taken now (with the usual hysteresis) when what it saves there, plus
-        the model's error margin (``min_gain`` of that time), exceeds its transition x (1 + margin):
-        a costly move waits for the failure, where the must-switch makes it (a forecast failure that
-        never comes then costs nothing). A free move (new knobs, same layout) to a plan that fits
-        the whole horizon is made at once, whatever it costs per step: the failure forecast is the
-        memory model's, the truth tends to fail sooner, and after a crash the raised memory reserve
-        may leave no plan predicted to fit. Without this, the infinite horizon time made every saving look like model noise, and
-        a plan predicted to fail later was never left for a faster one (in restart mode for 450
-        steps after the cluster grew, 12% slower than static)."""
-        offsets = self._offsets(m.step)
-        k = next((i for i, t in enumerate(cur.times) if not math.isfinite(t)), len(cur.times)) - 1
-        cur_pre, best_pre = _trapezoid(cur.times[:k + 1], offsets[:k + 1]), _trapezoid(best.times[:k + 1], offsets[:k + 1])
-        fails = offsets[k + 1] if k + 1 < len(offsets) else offsets[-1]
-        saving = cur_pre - best_pre
-        slack = self.min_gain * cur_pre
-        if best.cost_s == 0:
-            return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
-                                                  f"fits the whole horizon and costs no transition")
-        if saving + slack <= best.cost_s * (1 + self.margin):
-            self._streak = ((), 0)
-            return self._stay(cur, best, "", f"current plan predicted out of memory within {fails} steps; it stays until "
-                                             f"then (before that the best alternative saves {saving:.1f}s, which with "
-                                             f"{slack:.1f}s of model error does not repay {best.cost_s:.1f}s x "
-                                             f"(1 + {self.margin:g}))")
-        held = self._hysteresis(m, cur, best, regime_change)
-        if held is not None:
-            return held
-        return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
-                                              f"fits the whole horizon and saves {saving:.1f}s before then (+ "
-                                              f"{slack:.1f}s of model error) > {best.cost_s:.1f}s x (1 + {self.margin:g})")
-
-    def _per_step(self, cur: _Candidate, c: _Candidate | None) -> float:
-        if c is None or not math.isfinite(c.horizon_s):
-            return 0.0
-        return (cur.horizon_s - c.horizon_s) / max(1, self._h) if math.isfinite(cur.horizon_s) else math.inf
-
-    def _stay(self, cur: _Candidate, best: _Candidate | None, must: str, reason: str, feasible: bool = True) -> Decision:
-        return Decision(action="stay", plan=self.plan, transition=None, predicted_cost_s=0.0 if best is None else best.cost_s,
-                        saving_per_step_s=self._per_step(cur, best), break_even_steps=_break_even(cur, best, self),
-                        reason=reason, must=bool(must), feasible=feasible and not must)
-
-    def _switch(self, m: StepMetrics, cur: _Candidate, best: _Candidate, must: str, reason: str) -> Decision:
-        trans = None
-        if self.build_transition and best.cost_s > 0:
-            from nereus.planner.transition.build import plan_transition
-
-            trans = plan_transition(self.job, self.plans.cluster_for(max(self.plan.num_gpus, best.plan.num_gpus)),
-                                    self.plan, best.plan)
-            st = dict(trans.stats)
-            if not st.get("keep_old_fits", True):
-                tight = (f"keeping the old state until commit needs {st['peak_mem_bytes_keep_old'] / GiB:.1f} GiB on "
-                         f"a GPU of {st['capacity_bytes'] / GiB:.1f} GiB (the executor has no host staging)")
-                if not must:  # a switch for speed is not worth a transition that cannot keep its rollback state
-                    self._streak = ((), 0)
-                    return self._stay(cur, best, "", f"worth it, but {tight}")
-                reason += f"; warning: {tight}"
-        d = Decision(action="switch", plan=best.plan, transition=trans, predicted_cost_s=best.cost_s,
-                     saving_per_step_s=self._per_step(cur, best), break_even_steps=_break_even(cur, best, self),
-                     reason=f"{reason} [{best.origin}]", must=bool(must))
-        if best.cost_s > 0:
-            self._last_switch = m.step
-        self._last_cost_raw = self._cost.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
-        if best.plan.layout_key() != self.plan.layout_key():
-            self._on_plan = 0
-        if best.origin == "re-pool":
-            self.rule = replace(self.rule, anchor=best.plan)
-        self._streak = ((), 0)
-        self._prev_plan = self.plan  # report_rollback returns to it
-        self.plan = best.plan
-        return d
-
-    def _log(self, m: StepMetrics, ws: list[Workload], cur: _Candidate, cands: list[_Candidate], d: Decision) -> None:
+    def _log(self, m: StepMetrics, ws: list[Workload], cur: Candidate, cands: list[Candidate], d: Decision) -> None:
         self.audit.record({
             "step": m.step, "decision": d.action, "must": d.must, "reason": d.reason,
             "forecast": [{"response_len_mean": w.response_len_mean, "response_len_p90": w.response_len_p90,
                           "response_len_max": w.response_len_max} for w in ws[:1] + ws[-1:]],
             "gpus": self.gpus, "current_step_s": self.predict(cur.plan, ws[0])[0], "current_horizon_s": cur.horizon_s,
             "candidates": [{"origin": c.origin, "step_s": self.predict(c.plan, ws[0])[0], "horizon_s": c.horizon_s,
-                            "transition_s": c.cost_s, "layout": _layout(c.plan)} for c in cands],
+                            "transition_s": c.cost_s, "layout": layout(c.plan)} for c in cands],
             "transition_s": d.predicted_cost_s, "saving_per_step_s": d.saving_per_step_s,
-            "break_even_steps": d.break_even_steps, "plan": _layout(d.plan), "resolved": d.resolved,
+            "break_even_steps": d.break_even_steps, "plan": layout(d.plan), "resolved": d.resolved,
             "overhead_ms": d.overhead_s * 1e3, "calibration": self.calibration.to_dict(),
         })
-
-
-def _stage_key(s: StagePlacement) -> tuple:
-    """What a model-stage's calibration factor is specific to: its config and pool size."""
-    c = s.config
-    return (c.tp, c.pp, c.dp, c.micro_batch, c.zero, c.recompute, getattr(c, "sp", 1), getattr(c, "token_budget", 0),
-            s.gpus)
-
-
-def features(s: StagePlacement) -> tuple[float, ...]:
-    """Shape features of a model-stage's config for the calibration's shape model: log2 of tp,
-    pp, dp and the micro-batch (tokens / 4,096 under a token budget), recomputation, ZeRO-3."""
-    c = s.config
-    budget = getattr(c, "token_budget", 0)
-    mb = budget / 4096 if budget else c.micro_batch
-    return (math.log2(c.tp), math.log2(c.pp), math.log2(c.dp), math.log2(max(mb, 1e-3)), float(c.recompute),
-            float(c.zero >= 3))
-
-
-def gen_tp_variants(plan: Plan, model: ModelSpec, gpus_per_node: int, tps: tuple[int, ...] = (1, 2, 4, 8)) -> list[Plan]:
-    """``plan`` with each other generation TP that splits ``model`` and divides its pool (DP adjusted)."""
-    gen = plan.stage("actor/generation")
-    c, out = gen.config, []
-    for tp in tps:
-        try:
-            check_tp(model, tp)
-        except NereusError:
-            continue
-        if tp != c.tp and tp <= gpus_per_node and gen.gpus % (tp * c.pp) == 0:
-            g = replace(gen, config=replace(c, tp=tp, dp=gen.gpus // (tp * c.pp)))
-            out.append(replace(plan, stages=tuple(g if s.name == gen.name else s for s in plan.stages)))
-    return out
-
-
-def _layout(p: Plan) -> str:
-    return " ".join(f"{s.name}:{s.config.label()}@{s.first_gpu}+{s.gpus}" for s in p.stages)
-
-
-def _break_even(cur: _Candidate, c: _Candidate | None, ctl: Controller) -> float:
-    """Steps until the transition is repaid at the predicted per-step saving (inf if never)."""
-    per = ctl._per_step(cur, c)
-    if c is None or per <= 0:
-        return math.inf
-    return c.cost_s / per if math.isfinite(per) else 0.0

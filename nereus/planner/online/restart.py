@@ -30,10 +30,11 @@ plan's gaps).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from nereus.errors import NereusError
+from nereus.planner.online.types import Decision
 from nereus.planner.plan import Plan
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec
 
@@ -98,3 +99,44 @@ def restart_seconds(job: JobSpec, cluster: ClusterSpec, old: Plan, new: Plan, co
     write_bps = min(nodes(old) * cost.write_gbps_per_node, cost.storage_gbps) * 1e9
     read_bps = min(nodes(new) * cost.read_gbps_per_node, cost.storage_gbps) * 1e9
     return saved / write_bps + cost.relaunch_s + read / read_bps + cost.engine_start_s
+
+
+class RestartMode:
+    """The restart-mode half of ``Controller`` (``transition_mode="restart"``)."""
+
+    def _init_restart_mode(self, transition_mode: str, framework: str | None, emitter: Emitter | None,
+                           restart_cost: RestartCost | None) -> None:
+        """``transition_mode``: "live" (the executor reshards in place, priced by the transition
+        planner) or "restart" (the framework saves a checkpoint and relaunches with the new launch
+        configuration, priced by ``restart.restart_seconds``; every change of launch configuration,
+        knobs included, is a relaunch). ``framework`` (e.g. "verl") with ``emitter`` (the frameworks
+        package's ``launch_config``): a restart-mode switch carries the new plan as that framework's
+        launch configuration (``Decision.framework_config``); no framework: none."""
+        if transition_mode not in TRANSITION_MODES:
+            raise NereusError(f"controller: transition_mode must be one of {TRANSITION_MODES}, got {transition_mode!r}")
+        if framework is not None and emitter is None:
+            raise NereusError(f"controller: framework={framework!r} needs emitter= (the frameworks package's "
+                              f"launch_config; the planner does not import the emitters)")
+        self.transition_mode, self.framework, self._emitter = transition_mode, framework, emitter
+        self.restart_cost = restart_cost or RestartCost()
+
+    def restart_cost_s(self, a: Plan, b: Plan) -> float:
+        """Predicted seconds of switching a -> b by checkpoint and relaunch (0 when the launch
+        configuration does not change), x the transition calibration learned from reported restarts."""
+        if a.key() == b.key():
+            return 0.0
+        key = (a.layout_key(), b.layout_key())  # the raw estimate, which report_transition calibrates
+        c = self._cost.get(key)
+        if c is None:
+            c = self._cost[key] = restart_seconds(self.job, self.cluster, a, b, self.restart_cost)
+        return self.calibration.predict_transition(c)
+
+    def _with_launch_config(self, d: Decision) -> Decision:
+        """A restart-mode switch carries the new plan as the framework's launch configuration."""
+        if d.action != "switch" or self.transition_mode != "restart" or self.framework is None:
+            return d
+        from nereus.planner.solver import PlanProblem
+
+        problem = PlanProblem(job=self.job, cluster=self.plans.cluster_for(d.plan.num_gpus), workload=self._ws0,
+                              params=self.calibration.params(self.base_params))
+        return replace(d, framework_config=dict(self._emitter(self.framework, problem, d.plan)))

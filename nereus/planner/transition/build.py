@@ -14,7 +14,8 @@ from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
 from nereus.planner.transition.graph import assemble
 from nereus.planner.transition.pieces import _PHASES, choose_sources, compute_pieces, link_bandwidths, same_holdings
-from nereus.planner.transition.schedule import ScheduleProblem, schedule_transition
+from nereus.planner.transition.schedule import ScheduleProblem
+from nereus.planner.transition.schedule_cpsat import schedule_transition
 from nereus.planner.transition.types import TransitionPlan
 
 

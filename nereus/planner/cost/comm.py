@@ -1,0 +1,82 @@
+"""Collectives and point-to-point transfers of a model-stage: all-reduce and all-gather over TP/DP
+groups (hierarchical across nodes), Ulysses all-to-all, context parallelism's ring, and the
+actor's per-step weight sync. The alpha-beta primitives themselves are in ``params``."""
+from __future__ import annotations
+
+import math
+
+from nereus.models.spec import ModelSpec
+from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, p2p_s
+from nereus.planner.specs import ClusterSpec, ParallelConfig
+
+
+def links(cluster: ClusterSpec, p: CostParams) -> tuple[float, float]:
+    g = cluster.gpu
+    return g.intra_node_gbps * 1e9 * p.intra_link_eff, g.inter_node_gbps * 1e9 * p.inter_link_eff
+
+
+def group_bw(cluster: ClusterSpec, span_gpus: int, p: CostParams) -> float:
+    """Bandwidth of a group whose members lie within ``span_gpus`` consecutive GPUs."""
+    intra, inter = links(cluster, p)
+    return intra if span_gpus <= cluster.gpus_per_node else inter
+
+
+def nodes_spanned(cluster: ClusterSpec, n: int, stride: int) -> int:
+    """Nodes a group of n ranks spaced ``stride`` GPUs apart spans."""
+    return max(1, -(-(n * stride) // cluster.gpus_per_node))
+
+
+def ar_s(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int = 1) -> float:
+    """All-reduce over a group of n ranks spaced ``stride`` GPUs apart (TP: 1; DP: tp * pp),
+    hierarchical when the group spans nodes (``allreduce_s``)."""
+    intra, inter = links(cluster, p)
+    return allreduce_s(nbytes, n, intra, p.allreduce_latency_s, nodes=nodes_spanned(cluster, n, stride),
+                       alpha_inter=p.inter_latency_s, bw_inter=inter)
+
+
+def ag_s(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int = 1) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` in total over n ranks spaced ``stride`` apart."""
+    intra, inter = links(cluster, p)
+    return allgather_s(nbytes, n, intra, p.allreduce_latency_s, nodes=nodes_spanned(cluster, n, stride),
+                       alpha_inter=p.inter_latency_s, bw_inter=inter)
+
+
+def a2a_s(nbytes: float, n: int, cluster: ClusterSpec, p: CostParams, stride: int) -> float:
+    """Ulysses all-to-all of ``nbytes`` per rank over the n sequence-parallel ranks."""
+    return alltoall_s(nbytes, n, group_bw(cluster, n * stride, p), p.allreduce_latency_s)
+
+
+TP_EDGE_COLLECTIVES = 2
+"""Collectives of a tensor-parallel forward outside the layers, per micro-batch: the vocab-parallel
+embedding's all-reduce and the vocab-parallel head's (Megatron's log-prob/cross-entropy reduces
+max and sum over the vocabulary shards; Nereus's executor gathers the logits). Counted for
+inference passes; a pass of many layers hardly notices them, a latency-bound one of few does."""
+
+
+def ring_kv_exposed_s(model: ModelSpec, cfg: ParallelConfig, mb_tokens: float, n_micro: float, passes: int,
+                      attn_s: float, cluster: ClusterSpec, p: CostParams) -> float:
+    """Context parallelism's ring attention (Megatron ``context_parallel_size``): in every pass over
+    a layer each of the cp ranks hands its key/value chunk (``2 * kv_dim / tp`` values per token of
+    its ``mb_tokens / cp``) to the next rank cp - 1 times, point to point inside the cp x tp group.
+    Megatron overlaps each transfer with the attention block of the chunk already there, so what
+    shows is the ring time beyond the attention compute (``attn_s``, the stage's attention seconds).
+    ``passes``: 1 for a forward, 3 for forward + backward (keys/values again, their gradients back),
+    4 with recomputation."""
+    chunk = 2 * model.kv_dim / cfg.tp * (mb_tokens / cfg.cp) * model.dtype_bytes
+    per_layer = (cfg.cp - 1) * p2p_s(chunk, group_bw(cluster, cfg.cp * cfg.tp, p), p.p2p_latency_s)
+    ring = n_micro * math.ceil(model.layers / cfg.pp) * passes * per_layer
+    return max(0.0, ring - attn_s)
+
+
+def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, cluster: ClusterSpec,
+                  colocated: bool, params: CostParams | None = None) -> float:
+    """Per-step actor weight sync from the training layout to the generation layout: every
+    generation GPU receives its 2N/(tp*pp) bytes; every training GPU sends its share of the
+    dp_gen copies. Intra-node bandwidth when the pools are colocated, scale-out otherwise."""
+    p = params or CostParams()
+    intra, inter = links(cluster, p)
+    bw = intra if colocated and gen.tp * gen.pp <= cluster.gpus_per_node else inter
+    full = model.dtype_bytes * model.num_params()
+    recv = full / (gen.tp * gen.pp)
+    send = full * gen.dp / train.gpus
+    return p.p2p_latency_s * gen.tp * gen.pp + max(recv, send) / bw

@@ -1,0 +1,184 @@
+"""Generation: prefill, then continuous-batching decode over the decode grid of the response-length
+distribution (the step ends with its longest response), each iteration max(weight + KV bytes /
+HBM, FLOPs / peak) + TP collectives + the engine's overhead; KV capacity bounds concurrency."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Callable
+
+from nereus.models.spec import ModelSpec
+from nereus.planner.cost.comm import ar_s, group_bw, links, nodes_spanned
+from nereus.planner.cost.estimates import StageEstimate, finish
+from nereus.planner.cost.framework import engine_wake_s, host_copy_s
+from nereus.planner.cost.lengths import decode_grid, peak_context_per_seq
+from nereus.planner.cost.memory import GiB, kv_budget_full, kv_bytes_per_token_per_gpu, params_per_gpu
+from nereus.planner.cost.params import CostParams, allreduce_s, latency_steps, p2p_s
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
+
+
+def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
+                p: CostParams, kv_budget_bytes: float | None) -> StageEstimate:
+    """Prefill, then continuous-batching decode. At most ``concurrency`` sequences run at once
+    (the engine's max_num_seqs, and as many as the KV budget holds at their peak); the rest wait
+    for a free slot, so the engine runs full until the queue drains. The step ends with the
+    longest response (order statistics of the replica's sample, clipped at the cap)."""
+    tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
+    gpu = cluster.gpu
+    weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
+    workspace = p.workspace_gib * GiB
+    if kv_budget_bytes is None:
+        kv_budget_bytes = kv_budget_full(job, cluster, weights, p)
+    kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
+    n = math.ceil(w.sequences / dp)
+    P, cap, mean, p90 = w.prompt_len, w.response_len_max, w.response_len_mean, w.response_len_p90
+    one_seq = P + cap
+    if kv_budget_bytes < one_seq * kvg:
+        need = weights + workspace + one_seq * kvg
+        return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, need,
+                             {"weights": weights, "kv_cache": one_seq * kvg, "workspace": workspace},
+                             gpu.usable_bytes, 0, (f"one {one_seq}-token sequence needs {one_seq * kvg / GiB:.2f} GiB "
+                                                   f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
+    # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x);
+    # a static batch holds every row's slot and KV until its longest ends (the cap, at worst)
+    if job.rollout.engine == "static":
+        per_seq_peak = P + cap
+    else:
+        per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
+    concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
+    t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
+                                   concurrency, job.rollout.enforce_eager)
+    t = {"prefill": t_prefill, **dict(acc)}
+    if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep; KV pool re-created
+        # sleep: the weights out to host memory, the KV pool released without a copy
+        t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + host_copy_s(weights, p)
+    kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
+    transient = {"weights": weights, "kv_cache": kv_used, "workspace": workspace}
+    waves = math.ceil(n / concurrency)
+    notes = (f"at most {concurrency} of {n} sequences per replica run at once (KV budget "
+             f"{kv_budget_bytes / GiB:.1f} GiB, max_num_seqs {job.rollout.max_num_seqs}); the rest wait",) \
+        if waves > 1 else ()
+    return finish(ms, cfg, t, "generation", p, {}, transient, cluster, waves, notes)
+
+
+@lru_cache(maxsize=8192)
+def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams, engine: str, n: int,
+                  P: int, mean: float, p90: float | None, cap: int, total: int,
+                  concurrency: int, eager: bool = False) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """Prefill seconds and the decode components of one replica's ``n`` sequences (of ``total``
+    in the step), at most ``concurrency`` at a time, over the decode grid (points (x, sequences
+    still running)). Cached: plans that differ elsewhere, or only in how much KV room they leave
+    when as many sequences run at once, share it. ``eager``: no CUDA graphs, so each iteration
+    lasts at least its kernel launches (``eager_launch_s``); the excess is ``eager_launch``."""
+    grid = decode_grid(n, mean, p90, cap, total=total)
+    static = engine == "static"
+    if static:  # every row holds its slot until the longest of the batch ends
+        grid = ((0.0, float(n)), (grid[-1][0], 0.0))
+    t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
+    acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
+    step_terms = decode_terms(model, tp, pp, cluster, p)
+    o0, o1 = p.engine_overhead_terms(engine)
+    launch = eager_launch_s(model, p) if eager else 0.0
+    if eager:
+        acc["eager_launch"] = 0.0
+
+    def run(steps: float, active: float, ctx: float) -> None:
+        mem, cmp_, comm = step_terms(active, ctx)
+        acc["decode_memory" if mem >= cmp_ else "decode_compute"] += steps * max(mem, cmp_)
+        acc["tp_comm"] += steps * comm
+        acc["step_overhead"] += steps * (o0 + o1 * active)
+        if launch:
+            acc["eager_launch"] += steps * max(0.0, launch - max(mem, cmp_) - comm)
+
+    if n > concurrency and static:  # sequential batches, each decoding to its longest
+        run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
+    elif n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots
+        run((n - concurrency) * mean / concurrency, concurrency, P + mean)
+    prev_x, prev_a = grid[0]
+    for x, a in grid[1:]:
+        run(x - prev_x, min(concurrency, max(prev_a, 1.0)), P + (prev_x + x) / 2)
+        prev_x, prev_a = x, a
+    return t_prefill, tuple(acc.items())
+
+
+def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float, per_forward: float,
+              cluster: ClusterSpec, p: CostParams) -> float:
+    """Prefill of ``seqs`` prompts of ``prompt_len`` tokens on one replica, ``per_forward`` prompts
+    per forward pass: each forward takes the longer of its compute (at the per-rank GEMM size's
+    efficiency) and reading the rank's weights once (short prompts are memory-bound), plus 2 TP
+    all-reduces per layer."""
+    tokens = per_forward * prompt_len
+    eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.ffn / tp)
+    flops = 2 * model.matmul_params() * prompt_len * seqs
+    attn = 2 * model.layers * model.heads * model.head_dim * prompt_len ** 2 * seqs
+    forwards = math.ceil(seqs / max(1.0, per_forward))
+    peak = tp * pp * cluster.gpu.peak_flops
+    compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
+    weights = forwards * pp * model.dtype_bytes * params_per_gpu(model, tp, pp) / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
+    return max(compute, weights) + forwards * 2 * model.layers * ar_s(tokens * model.hidden * 2, tp, cluster, p)
+
+
+def decode_iteration_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
+                       p: CostParams, engine: str = "vllm", eager: bool = False) -> float:
+    """Wall time of one engine iteration decoding ``active`` sequences at context ``ctx``: the
+    larger of the memory- and compute-bound times, the TP collectives, the engine's overhead.
+    ``eager`` (no CUDA graphs): the GPU part lasts at least the iteration's kernel launches."""
+    mem, cmp_, comm = decode_step_s(model, tp, pp, active, ctx, cluster, p)
+    gpu = max(mem, cmp_) + comm
+    if eager:
+        gpu = max(gpu, eager_launch_s(model, p))
+    return gpu + p.iteration_overhead_s(engine, active)
+
+
+def eager_launch_s(model: ModelSpec, p: CostParams) -> float:
+    """Host time to launch one decode iteration's kernels without CUDA graphs: every decoder layer's
+    (``p.eager_layer_cpu_s``). Each rank of a TP group launches its own in parallel; the pipeline
+    stages of a replica together launch every layer once per iteration."""
+    return model.layers * p.eager_layer_cpu_s
+
+
+def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float, cluster: ClusterSpec,
+                  p: CostParams) -> tuple[float, float, float]:
+    """One decode step of ``active`` sequences at mean context ``ctx`` on one replica:
+    (memory-bound time, compute-bound time, communication). With pp stages the batch is split
+    into pp pipelined micro-batches, so every stage reads its weights pp times per token. The
+    compute-bound part uses the per-rank GEMM size (smaller under TP, so less efficient)."""
+    return decode_terms(model, tp, pp, cluster, p)(active, ctx)
+
+
+def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
+                 p: CostParams) -> Callable[[float, float], tuple[float, float, float]]:
+    """``decode_step_s`` of one replica as a function of (active, ctx), with everything that
+    depends only on the model, the layout and the parameters computed once (generation calls it
+    at every point of its decode grid)."""
+    gpu = cluster.gpu
+    weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
+    kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
+    hbm = p.hbm_eff * gpu.hbm_bytes_per_s
+    n_mat, n_attn = 2 * model.matmul_params(), 4 * model.layers * model.heads * model.head_dim
+    h, ffn, peak, shards = model.hidden, model.ffn, gpu.peak_flops, tp * pp
+    intra, inter = links(cluster, p)
+    nodes = nodes_spanned(cluster, tp, 1)
+    bw_pp = group_bw(cluster, tp * pp, p)
+    n_ar = 2 * model.layers
+    one_node = nodes == 1 and tp > 1
+    lat = 2 * (latency_steps(tp) * p.allreduce_latency_s + latency_steps(1) * max(p.inter_latency_s, p.allreduce_latency_s))
+    ring = 2 * (tp - 1) / tp
+
+    def terms(active: float, ctx: float) -> tuple[float, float, float]:
+        mem = (pp * weights + active * ctx * kvg) / hbm
+        eff = p.matmul_eff(p.mfu_decode, 2 * active / pp * h * ffn / tp)
+        cmp_ = active * (n_mat + n_attn * ctx) / shards / (eff * peak)
+        act = active / pp * h * 2
+        if tp == 1 or act <= 0:
+            comm = 0.0
+        elif one_node:  # allreduce_s inside one node, its terms computed once
+            comm = n_ar * (lat + ring * act / intra)
+        else:
+            comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
+                                      alpha_inter=p.inter_latency_s, bw_inter=inter)
+        if pp > 1:
+            comm += pp * p2p_s(act, bw_pp, p.p2p_latency_s)
+        return mem, cmp_, comm
+
+    return terms

@@ -1,0 +1,63 @@
+"""Sizes per GPU: parameters held by the most loaded pipeline stage, model states by precision and
+ZeRO stage, KV bytes per token, and the KV budget a rollout engine gets."""
+from __future__ import annotations
+
+import math
+
+from nereus.models.spec import ModelSpec
+from nereus.planner.cost.params import CostParams
+from nereus.planner.specs import ClusterSpec, JobSpec
+
+GiB = 1024**3
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm") -> float:
+    """Parameters held by one GPU of the most loaded pipeline stage (KV projections replicate
+    when tp exceeds kv_heads; the embedding sits on the first stage, the LM head on the last)."""
+    h, d = model.hidden, model.head_dim
+    kv_split = min(tp, model.kv_heads)
+    per_layer = (2 * h * model.q_dim) / tp + (2 * h * model.kv_dim) / kv_split + 3 * h * model.ffn / tp + 2 * h
+    if model.qkv_bias:
+        per_layer += model.q_dim / tp + 2 * model.kv_dim / kv_split
+    if model.qk_norm:
+        per_layer += 2 * d
+    layers = math.ceil(model.layers / pp)
+    embed = model.vocab * h / tp
+    last = h + (h if head == "value" else (0 if model.tie_embeddings else embed))
+    if pp == 1:
+        return layers * per_layer + embed + last
+    return layers * per_layer + max(embed, last)
+
+
+def model_state_bytes(psi: float, dp: int, zero: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) per param,
+    sharded along DP by the ZeRO stage (Rajbhandari et al. 2019). In fp32 (dtype_bytes 4, no
+    master copy): 4 + 4 + 8, the same 16 bytes split differently."""
+    if dtype_bytes == 4:
+        w, g, o = 4 * psi, 4 * psi, 8 * psi
+    else:
+        w, g, o = 2 * psi, 2 * psi, 12 * psi
+    if zero >= 1:
+        o /= dp
+    if zero >= 2:
+        g /= dp
+    if zero >= 3:
+        w /= dp
+    return {"weights": w, "grads": g, "optimizer": o}
+
+
+def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
+    """2 * (L/pp) * g * d * bytes / min(tp, g): KV heads replicate when tp > g."""
+    return 2 * math.ceil(model.layers / pp) * model.kv_dim * model.dtype_bytes / min(tp, model.kv_heads)
+
+
+def engine_memory_util(job: JobSpec, p: CostParams) -> float:
+    """Fraction of usable GPU memory the rollout engine takes: the job's setting, else the profile's."""
+    u = job.rollout.gpu_memory_utilization
+    return p.kv_mem_util if u is None else u
+
+
+def kv_budget_full(job: JobSpec, cluster: ClusterSpec, weights: float, p: CostParams) -> float:
+    """KV bytes per GPU an engine gets on an otherwise empty GPU."""
+    return cluster.gpu.usable_bytes * engine_memory_util(job, p) - weights - p.workspace_gib * GiB

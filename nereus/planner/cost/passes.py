@@ -1,0 +1,239 @@
+"""Inference and training passes: FLOPs (6N / 8N with recompute, attention from E[s^2]),
+micro-batches of fixed size or token budget, padding, TP/SP/CP/PP/DP/FSDP communication, the
+optimizer step, offload, the log-prob pass over the vocabulary; memory of activations, logits
+and model states."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from nereus.models.spec import ModelSpec
+from nereus.planner.cost.comm import TP_EDGE_COLLECTIVES, a2a_s, ag_s, ar_s, group_bw, ring_kv_exposed_s
+from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, finish, trainable
+from nereus.planner.cost.framework import fsdp_cpu_floor_s, optimizer_offload_s, param_offload_s
+from nereus.planner.cost.lengths import expected_max, response_quantiles
+from nereus.planner.cost.memory import GiB, model_state_bytes, params_per_gpu
+from nereus.planner.cost.params import CostParams, p2p_s
+from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
+
+
+def seq_moments(w: Workload) -> tuple[float, float]:
+    """(E[s], E[s^2]) of sequence lengths s = prompt + response: attention work grows with s^2,
+    so a long tail costs more than its share of tokens."""
+    return _moments(w.prompt_len, w.response_len_mean, w.response_len_p90, w.response_len_max)
+
+
+@lru_cache(maxsize=4096)
+def _moments(prompt: int, mean: float, p90: float | None, cap: int) -> tuple[float, float]:
+    s = [prompt + x for x in response_quantiles(mean, p90, cap)]
+    return sum(s) / len(s), sum(x * x for x in s) / len(s)
+
+
+def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool = False,
+                   pad_to: int = 0) -> tuple[int, float, float]:
+    """(micro-batches per data group per optimizer step, mean tokens of a micro-batch, tokens of the
+    largest one) for fixed ``micro_batch`` sequences or a ``token_budget`` per GPU (packing; a
+    sequence longer than the budget gets a micro-batch of its own). ``padded``: every sequence is
+    padded to the batch's longest (time: the expected longest; memory: the cap, which a padded
+    batch reaches whenever one row does). ``pad_to`` > 0: every sequence is ``pad_to`` tokens wide
+    (``padded_tokens``); a token budget still counts the real tokens."""
+    groups = cfg.dp // cfg.seq_split
+    seqs = w.sequences / (per_step * groups)
+    s_mean = w.prompt_len + w.response_len_mean
+    longest = w.prompt_len + expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
+    s_real = s_mean
+    if pad_to:
+        s_mean = longest = float(max(pad_to, w.prompt_len + 1))
+    if padded:  # a padded batch is as wide as its longest row, which may reach the cap any step
+        b = cfg.micro_batch
+        return max(1, math.ceil(seqs / b)), b * longest, b * (w.prompt_len + w.response_len_max)
+    if cfg.token_budget:
+        budget = cfg.token_budget * cfg.seq_split
+        # the budget counts real tokens (verl balances micro-batches on attention-mask lengths), padded or not
+        m = max(1, math.ceil(seqs * s_real / budget))
+        return m, seqs * s_mean / m, max(float(budget) * s_mean / s_real, longest)
+    b = cfg.micro_batch
+    m = max(1, math.ceil(seqs / b))
+    return m, b * s_mean, (b - 1) * s_mean + longest
+
+
+def _computed(w: Workload, cfg: ParallelConfig, mb_tokens: float, s_sq: float, padded: bool) -> tuple[float, float]:
+    """(tokens computed, E[s^2]) of the batch: a padded batch computes every row to the batch's
+    expected longest (``mb_tokens`` / micro-batch sequences), not to its own length."""
+    if not padded:
+        return w.tokens, s_sq
+    longest = mb_tokens / max(1, cfg.micro_batch)
+    return w.sequences * longest, longest * longest
+
+
+def padded_tokens(w: Workload, pad_to: int = 0) -> float:
+    """Tokens the GEMMs of one pass over the step's sequences process. A framework that does not
+    remove padding (verl ``use_remove_padding=False``, its default before v0.4 and still the
+    critic's default in many example scripts) runs every sequence at ``pad_to`` = max prompt +
+    max response tokens: the rollout pads responses to ``max_response_length`` and prompts to
+    ``max_prompt_length`` (verl ``vllm_rollout``: ``pad_2d_list_to_length(..., max_length=
+    response_length)``; RL dataset: left-padding to ``max_prompt_length``). With short GSM8K answers
+    (~290 real of 1,536 padded tokens) that is 5x the work. Attention is left at the real lengths:
+    Hugging Face's FlashAttention-2 path unpads q/k/v inside each layer. No constant is fitted."""
+    return float(w.sequences * max(pad_to, w.prompt_len + 1)) if pad_to else float(w.tokens)
+
+
+def logprob_vocab_s(tokens: float, vocab: int, cfg: ParallelConfig, cluster: ClusterSpec, p: CostParams,
+                    training: bool) -> float:
+    """The log-probability pass over the vocabulary after the LM head, memory-bound: every one of
+    the ``tokens`` x ``vocab`` logits is written in bf16 by the head GEMM, cast to fp32 and put
+    through log-softmax (``p.logprob_bytes_per_logit`` HBM bytes per logit, derived from those
+    element-wise passes); training adds the backward of log-softmax and the cast
+    (``p.logprob_train_extra_bytes_per_logit``). Each GPU holds tokens/dp of the tokens (sequence
+    parallel ranks included) and vocab/tp of the vocabulary (vocab-parallel head); the last
+    pipeline stage pays it. Bandwidth: the profile's HBM efficiency, fitted on decode rows (fit
+    split). A 152k-token vocabulary (Qwen) makes this about 2.4 GB per 1,000 tokens."""
+    per_logit = p.logprob_bytes_per_logit + (p.logprob_train_extra_bytes_per_logit if training else 0.0)
+    return tokens / cfg.dp * vocab / cfg.tp * per_logit / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
+
+
+def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
+              w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
+    tp, pp, dp, sp, split = cfg.tp, cfg.pp, cfg.dp, cfg.sp, cfg.seq_split
+    E, M = job.batch.ppo_epochs, job.batch.mini_batches
+    h, L = model.hidden, model.layers
+    _, s_sq = seq_moments(w)
+    gpu = cluster.gpu
+    # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
+    n_factor = 8 if cfg.recompute else 6
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded, o.pad_to)
+    # a padded batch computes every row to its longest; pad_to: every row to a fixed width (attention
+    # stays at the real lengths there: padded_tokens)
+    tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if job.sequence.padded else (padded_tokens(w, o.pad_to), s_sq)
+    attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
+    flops = n_factor * model.matmul_params() * tokens * E
+    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / split * h * model.ffn / tp)
+    if o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
+        layer_flops = n_factor * L * model.layer_params() * tokens * E
+        compute = ((flops - layer_flops) / (cfg.gpus * gpu.peak_flops * eff)
+                   + fp8_linear_s(model, layer_flops, tokens * E, cfg, mb_tokens, gpu, p))
+    else:
+        compute = flops / (cfg.gpus * gpu.peak_flops * eff)
+    attn_s = attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
+    compute += attn_s
+    t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
+    # communication
+    n_micro = E * M * m
+    act_bytes = mb_tokens / split * h * 2
+    n_ar = 6 if cfg.recompute else 4
+    t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * ar_s(act_bytes, tp, cluster, p)
+    t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * a2a_s(act_bytes / tp, sp, cluster, p, tp)
+    if cfg.cp > 1:  # forward, backward (keys/values again and their gradients back), forward again when recomputing
+        t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, n_micro, 4 if cfg.recompute else 3, attn_s, cluster, p)
+    t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)
+    psi = params_per_gpu(model, tp, pp, head)
+    # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
+    syncs = n_micro if o.grad_sync == "micro_batch" else E * M
+    grad_bytes = psi * (o.grad_reduce_bytes or model.dtype_bytes)
+    if cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
+        t["fsdp_gather"] = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
+        t["dp_grad_sync"] = syncs * ag_s(grad_bytes, dp, cluster, p, tp * pp)
+    else:
+        t["dp_grad_sync"] = syncs * ar_s(grad_bytes, dp, cluster, p, tp * pp)
+    opt_share = psi / dp if cfg.zero >= 1 else psi
+    t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
+    if head == "lm":
+        t["logprob_vocab"] = logprob_vocab_s(tokens * E, model.vocab, cfg, cluster, p, training=True)
+    if o.param_offload != "none":
+        t["param_offload"] = param_offload_s(psi / dp if cfg.zero >= 3 else psi, o.param_offload, n_micro, p,
+                                             bytes_per_param=4.0, passes_per_micro_batch=2)
+    if o.optimizer_offload:
+        t["optimizer_offload"] = optimizer_offload_s(opt_share, p)
+    if cfg.zero >= 3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p,
+                                               synced=o.pad_to > 0)
+    if p.micro_batch_overhead_s or p.optimizer_step_overhead_s:  # host overheads (0 on the GPU presets)
+        passes = 4 if cfg.recompute else 3  # forward, backward (2x), and the forward again when recomputing
+        t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * math.ceil(L / pp) / L
+                         + E * M * p.optimizer_step_overhead_s)
+    # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
+    resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
+    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
+    in_flight = min(pp, m)
+    layers_here = math.ceil(L / pp)
+    tok = mb_worst / split
+    if cfg.recompute:
+        # the kept block inputs: split over TP with sequence parallelism, replicated where the
+        # measured activations say the executor replicates the residual (no SP)
+        kept_tp = 1 if p.act_bytes_replicated else tp
+        act = in_flight * layers_here * tok * model.dtype_bytes * h / kept_tp + tok * act_tok_layer
+    else:
+        act = in_flight * layers_here * tok * act_tok_layer
+    vocab_out = model.vocab / tp if head == "lm" else 1
+    transient = {"activations": act,
+                 "logits": tok * vocab_out * p.logits_bytes * p.logits_copies_train,
+                 "workspace": p.workspace_gib * GiB}
+    return finish(ms, cfg, t, "training", p, resident, transient, cluster)
+
+
+FP8_PEAK_FACTOR = 2.0
+"""Dense FP8 tensor-core peak over the bf16 peak on Hopper-class GPUs (H100 SXM: 1,979 vs 989 TFLOP/s)."""
+
+
+FP8_CAST_BYTES = 3.0
+"""HBM bytes per element to cast a GEMM operand to FP8: read bf16 (2), write fp8 (1)."""
+
+
+def fp8_linear_s(model: ModelSpec, layer_flops: float, tokens: float, cfg: ParallelConfig, mb_tokens: float,
+                 gpu, p: CostParams) -> float:
+    """Seconds of the decoder layers' linear GEMMs of a training step run in FP8 (Transformer Engine /
+    torchao float8 recipes), over the step's ``tokens``: the GEMMs at twice the bf16 peak
+    (``FP8_PEAK_FACTOR``) at ``p.mfu_train_fp8`` (size-dependent like the bf16 ones), plus the casts
+    of their operands, memory-bound: each linear layer's input activations in the forward and the
+    output gradients in the backward (per token: h + q + h + f in, q + 2 kv + h + 2 f + h out per
+    layer), and the weights once per micro-batch for forward and backward. Derived, except
+    ``mfu_train_fp8``, which the GPU profiles fit on the corpus's FP8 fit rows."""
+    h, f, L = model.hidden, model.ffn, model.layers
+    eff = p.matmul_eff(p.mfu_train_fp8, 2 * mb_tokens / cfg.seq_split * h * f / cfg.tp)
+    gemm = layer_flops / (cfg.gpus * FP8_PEAK_FACTOR * gpu.peak_flops * eff)
+    act = (h + model.q_dim + h + f) * (2 if cfg.recompute else 1) + (model.q_dim + 2 * model.kv_dim + h + 2 * f + h)
+    micro = tokens / max(1.0, mb_tokens) / cfg.dp  # micro-batches per GPU
+    elems = tokens / cfg.dp * L / cfg.pp * act / cfg.tp + micro * 2 * L * model.layer_params() / (cfg.tp * cfg.pp)
+    return gemm + elems * FP8_CAST_BYTES / (p.hbm_eff * gpu.hbm_bytes_per_s)
+
+
+def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
+               p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
+    tp, pp, sp, split = cfg.tp, cfg.pp, cfg.sp, cfg.seq_split
+    h, L = model.hidden, model.layers
+    _, s_sq = seq_moments(w)
+    m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
+    tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if padded else (padded_tokens(w, o.pad_to), s_sq)
+    attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
+    flops = 2 * model.matmul_params() * tokens
+    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / split * h * model.ffn / tp)
+    peak = cfg.gpus * cluster.gpu.peak_flops
+    attn_s = attn / (peak * p.mfu_attn)
+    compute = flops / (peak * eff) + attn_s
+    act_bytes = mb_tokens / split * h * 2
+    t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
+         "tp_comm": m * (math.ceil(L / pp) * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
+         "sp_comm": m * math.ceil(L / pp) * 4 * a2a_s(act_bytes / tp, sp, cluster, p, tp),
+         "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
+    if cfg.cp > 1:
+        t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, m, 1, attn_s, cluster, p)
+    if head == "lm":
+        t["logprob_vocab"] = logprob_vocab_s(tokens, model.vocab, cfg, cluster, p, training=False)
+    psi = params_per_gpu(model, tp, pp, head)
+    if cfg.zero >= 3:  # FSDP: every micro-batch's forward all-gathers the parameters again (resharded after it)
+        t["fsdp_gather"] = m * ag_s(psi * 2, cfg.dp, cluster, p, tp * pp)
+    if o.param_offload != "none":
+        t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
+                                             bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
+    if cfg.zero >= 3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p, training=False,
+                                               synced=o.pad_to > 0)
+    if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
+        t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
+    resident = {"weights": model.dtype_bytes * psi}
+    vocab_out = model.vocab / tp if head == "lm" else 1
+    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
+    tok = mb_worst / split
+    transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
+                 "workspace": p.workspace_gib * GiB}
+    return finish(ms, cfg, t, "inference", p, resident, transient, cluster)

@@ -1,0 +1,217 @@
+"""The controller's decision rules: must-switch, may-switch (saving over the horizon against
+the transition cost x (1 + margin), ``min_gain``), hysteresis (patience, dwell), the switch before
+a predicted failure, exploration probes, and the stay / switch decisions with their numbers.
+
+``AdmissionRules`` is a part of ``Controller``; the module docstring of ``controller.py`` states
+the rules in order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from nereus.planner.cost.plan_times import compose_step
+from nereus.planner.online.library import Candidate, stage_key, trapezoid
+from nereus.planner.online.types import Decision, StepMetrics
+from nereus.planner.plan import GiB
+
+
+class AdmissionRules:
+    """The decision half of ``Controller``."""
+
+    def _must_reason(self, m: StepMetrics, cur: Candidate) -> str:
+        if m.oom:
+            return f"step {m.step} ran out of memory on the current plan"
+        if self.plan.num_gpus > self.gpus:
+            return f"current plan uses {self.plan.num_gpus} GPUs, only {self.gpus} available"
+        if not cur.feasible_next:
+            return "current plan predicted out of memory next step"
+        return ""
+
+    def _decide(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str,
+                regime_change: bool) -> Decision:
+        d = self._admit(m, cur, cands, must, regime_change)
+        # no probe while a switch is pending behind hysteresis, or within min_dwell of the last switch
+        if (d.action == "stay" and not must and self.explore and not d.reason.startswith("worth it")
+                and m.step - self._last_switch >= self.min_dwell):
+            probe = self._probe(m, cur, cands)
+            if probe is not None:
+                c, why = probe
+                d = self._switch(m, cur, c, "", why)
+                self._probes_left -= 1
+                self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
+        return d
+
+    def _admit(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str,
+               regime_change: bool) -> Decision:
+        """Admission (see the module docstring). A GPU-count change is a new regime: hysteresis
+        (patience, dwell) guards against noise, not against a cluster that just grew."""
+        feasible = [c for c in cands if c.feasible_next]
+        if self.mode == "always":
+            best = min(feasible, key=lambda c: self.predict(c.plan, self._ws0)[0]) if feasible else None
+            if best is None or (not must and self.predict(best.plan, self._ws0)[0] >= 0.995 * self.predict(cur.plan, self._ws0)[0]):
+                return self._stay(cur, best, must, "always: current plan is the best for next step")
+            return self._switch(m, cur, best, must, "always: best plan for next step")
+        if must:
+            if not feasible:
+                return self._stay(cur, None, must, "no feasible plan found for next step", feasible=False)
+            best = min(feasible, key=lambda c: c.net_s)
+            return self._switch(m, cur, best, must, f"must switch: {must}; lowest transition + horizon time")
+        if not feasible:
+            return self._stay(cur, None, "", "no alternative plan")
+        best = min(feasible, key=lambda c: c.net_s)
+        if not math.isfinite(best.net_s):  # every alternative fails later in the horizon, or its cost is unknown
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", "no alternative is feasible over the whole horizon at a known cost")
+        if not math.isfinite(cur.horizon_s):
+            return self._admit_before_failure(m, cur, best, regime_change)
+        saving = cur.horizon_s - best.horizon_s
+        if saving <= 0:
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"no alternative is faster over the horizon (the best is {-saving:.1f}s "
+                                             f"slower than the current {cur.horizon_s:.0f}s)")
+        if saving <= self.min_gain * cur.horizon_s and best.cost_s > 0:
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is below {self.min_gain:.0%} of "
+                                             f"{cur.horizon_s:.0f}s (within model error)")
+        if saving <= best.cost_s * (1 + self.margin) or saving <= 0:
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon does not repay "
+                                             f"{best.cost_s:.1f}s x (1 + {self.margin:g})")
+        held = self._hysteresis(m, cur, best, regime_change)
+        if held is not None:
+            return held
+        return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
+                                              f"x (1 + {self.margin:g})")
+
+    def _hysteresis(self, m: StepMetrics, cur: Candidate, best: Candidate, regime_change: bool) -> Decision | None:
+        """A worthwhile switch that costs time waits for ``min_dwell`` steps after the last one and
+        for the same winner ``patience`` steps in a row (not after a change of GPU count)."""
+        if best.cost_s <= 0 or regime_change:
+            return None
+        key = best.plan.layout_key()
+        n = self._streak[1] + 1 if self._streak[0] == key else 1
+        self._streak = (key, n)
+        if m.step - self._last_switch < self.min_dwell:
+            return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
+        if n < self.patience:
+            return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")
+        return None
+
+    def _admit_before_failure(self, m: StepMetrics, cur: Candidate, best: Candidate, regime_change: bool) -> Decision:
+        """The current plan runs next step but is predicted to run out of memory later in the
+        horizon, while ``best`` fits all of it. Both are compared over the steps the current plan
+        still runs: ``best`` is taken now (with the usual hysteresis) when what it saves there, plus
+        the model's error margin (``min_gain`` of that time), exceeds its transition x (1 + margin):
+        a costly move waits for the failure, where the must-switch makes it (a forecast failure that
+        never comes then costs nothing). A free move (new knobs, same layout) to a plan that fits
+        the whole horizon is made at once, whatever it costs per step: the failure forecast is the
+        memory model's, the truth tends to fail sooner, and after a crash the raised memory reserve
+        may leave no plan predicted to fit. Without this, the infinite horizon time made every saving look like model noise, and
+        a plan predicted to fail later was never left for a faster one (in restart mode for 450
+        steps after the cluster grew, 12% slower than static)."""
+        offsets = self._offsets(m.step)
+        k = next((i for i, t in enumerate(cur.times) if not math.isfinite(t)), len(cur.times)) - 1
+        cur_pre, best_pre = trapezoid(cur.times[:k + 1], offsets[:k + 1]), trapezoid(best.times[:k + 1], offsets[:k + 1])
+        fails = offsets[k + 1] if k + 1 < len(offsets) else offsets[-1]
+        saving = cur_pre - best_pre
+        slack = self.min_gain * cur_pre
+        if best.cost_s == 0:
+            return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
+                                                  f"fits the whole horizon and costs no transition")
+        if saving + slack <= best.cost_s * (1 + self.margin):
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"current plan predicted out of memory within {fails} steps; it stays until "
+                                             f"then (before that the best alternative saves {saving:.1f}s, which with "
+                                             f"{slack:.1f}s of model error does not repay {best.cost_s:.1f}s x "
+                                             f"(1 + {self.margin:g}))")
+        held = self._hysteresis(m, cur, best, regime_change)
+        if held is not None:
+            return held
+        return self._switch(m, cur, best, "", f"current plan predicted out of memory within {fails} steps; this plan "
+                                              f"fits the whole horizon and saves {saving:.1f}s before then (+ "
+                                              f"{slack:.1f}s of model error) > {best.cost_s:.1f}s x (1 + {self.margin:g})")
+
+    def _probe(self, m: StepMetrics, cur: Candidate, cands: list[Candidate]) -> tuple[Candidate, str] | None:
+        """Exploration: run a plan once to measure a config the model cannot be trusted on.
+
+        Only when probes are left in this GPU regime, the current plan ran at least 2 steps, and the
+        model is visibly wrong (|log(observed/predicted)| >= probe_threshold) on the current config
+        of a model-stage the candidate changes to a config never run. The candidate must look
+        plausible (mean prediction within probe_window of the current horizon time) and its
+        optimistic time (factors at mean - probe_kappa sd of the shape model) must save more than a
+        round trip of transitions x (1 + margin) and min_gain."""
+        if self._probes_left <= 0 or self._on_plan < 2 or not math.isfinite(cur.horizon_s):
+            return None
+        cal, best, best_gain = self.calibration, None, 0.0
+        for c in cands:
+            if not c.feasible_next or c.horizon_s > (1 + self.probe_window) * cur.horizon_s:
+                continue
+            changed = [s for s in c.plan.stages if stage_key(s) != stage_key(self.plan.stage(s.name))]
+            if not any(not cal.seen(s.name, stage_key(s))
+                       and cal.residual(s.name, stage_key(self.plan.stage(s.name))) >= self.probe_threshold
+                       for s in changed):
+                continue
+            t = self._times(c.plan, self._ws0)
+            mean_s = self.predict(c.plan, self._ws0)[0]
+            if not math.isfinite(mean_s):
+                continue
+            opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
+            gain = cur.horizon_s - c.horizon_s * opt_s / mean_s
+            cost = c.cost_s if math.isfinite(c.cost_s) else self.transition_cost(self.plan, c.plan)
+            if gain > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain > best_gain:
+                c.cost_s = cost
+                best, best_gain = c, gain
+        if best is None:
+            return None
+        return best, (f"probe: the model is off by >= {self.probe_threshold:.0%} on the current config; measured, "
+                      f"this plan could save up to {best_gain:.1f}s over the horizon (optimistic), "
+                      f"> 2 x {best.cost_s:.1f}s x (1 + {self.margin:g})")
+
+    def _per_step(self, cur: Candidate, c: Candidate | None) -> float:
+        if c is None or not math.isfinite(c.horizon_s):
+            return 0.0
+        return (cur.horizon_s - c.horizon_s) / max(1, self._h) if math.isfinite(cur.horizon_s) else math.inf
+
+    def _stay(self, cur: Candidate, best: Candidate | None, must: str, reason: str, feasible: bool = True) -> Decision:
+        return Decision(action="stay", plan=self.plan, transition=None, predicted_cost_s=0.0 if best is None else best.cost_s,
+                        saving_per_step_s=self._per_step(cur, best), break_even_steps=break_even(cur, best, self),
+                        reason=reason, must=bool(must), feasible=feasible and not must)
+
+    def _switch(self, m: StepMetrics, cur: Candidate, best: Candidate, must: str, reason: str) -> Decision:
+        trans = None
+        if self.build_transition and best.cost_s > 0:
+            from nereus.planner.transition.build import plan_transition
+
+            trans = plan_transition(self.job, self.plans.cluster_for(max(self.plan.num_gpus, best.plan.num_gpus)),
+                                    self.plan, best.plan)
+            st = dict(trans.stats)
+            if not st.get("keep_old_fits", True):
+                tight = (f"keeping the old state until commit needs {st['peak_mem_bytes_keep_old'] / GiB:.1f} GiB on "
+                         f"a GPU of {st['capacity_bytes'] / GiB:.1f} GiB (the executor has no host staging)")
+                if not must:  # a switch for speed is not worth a transition that cannot keep its rollback state
+                    self._streak = ((), 0)
+                    return self._stay(cur, best, "", f"worth it, but {tight}")
+                reason += f"; warning: {tight}"
+        d = Decision(action="switch", plan=best.plan, transition=trans, predicted_cost_s=best.cost_s,
+                     saving_per_step_s=self._per_step(cur, best), break_even_steps=break_even(cur, best, self),
+                     reason=f"{reason} [{best.origin}]", must=bool(must))
+        if best.cost_s > 0:
+            self._last_switch = m.step
+        self._last_cost_raw = self._cost.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
+        if best.plan.layout_key() != self.plan.layout_key():
+            self._on_plan = 0
+        if best.origin == "re-pool":
+            self.rule = replace(self.rule, anchor=best.plan)
+        self._streak = ((), 0)
+        self._prev_plan = self.plan  # report_rollback returns to it
+        self.plan = best.plan
+        return d
+
+
+def break_even(cur: Candidate, c: Candidate | None, ctl: AdmissionRules) -> float:
+    """Steps until the transition is repaid at the predicted per-step saving (inf if never)."""
+    per = ctl._per_step(cur, c)
+    if c is None or per <= 0:
+        return math.inf
+    return c.cost_s / per if math.isfinite(per) else 0.0
