@@ -194,7 +194,8 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
     from torch.distributed.device_mesh import init_device_mesh
 
     import nereus.executor.apply as apply_mod
-    import nereus.executor.store as store_mod
+    import nereus.executor.reshard.checksum as store_mod
+    import nereus.executor.reshard.exchange as exchange_mod
     from nereus.executor.apply import apply_transition
     from nereus.executor.launch import rank_device
     from nereus.executor.layout import rank_regions
@@ -289,10 +290,11 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                 store.put(r, t.clone())
             box: dict = {}
             # diagnostic only: checksums replaced by a constant, to show what verification costs
-            # (the receiver's in apply, the sender's in store.SourceSums; on a GPU the device hash)
+            # (the receiver's in reshard.exchange, the sender's in reshard.checksum.SourceSums; on a
+            # GPU the device hash)
             off = v == "nereus_no_verify"
-            apply_mod.checksum = store_mod.checksum = (lambda t: 0) if off else checksum
-            apply_mod.checksums_of = (lambda parts: [0] * len(parts)) if off else checksums_of
+            store_mod.checksum = (lambda t: 0) if off else checksum
+            exchange_mod.checksums_of = (lambda parts: [0] * len(parts)) if off else checksums_of
             store_mod.device_hash = (lambda t: torch.zeros((), dtype=torch.int64, device=t.device)) if off \
                 else device_hash
             try:
@@ -300,8 +302,8 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                     store, tplan, rank, DistTransport(rank), timeout_s=300,
                     staging_bytes=0 if v == "nereus_rounds" else apply_mod.STAGING_BYTES))))
             finally:
-                apply_mod.checksum = store_mod.checksum = checksum
-                apply_mod.checksums_of, store_mod.device_hash = checksums_of, device_hash
+                store_mod.checksum = checksum
+                exchange_mod.checksums_of, store_mod.device_hash = checksums_of, device_hash
             if v == "nereus" and report is None:
                 report = box["r"]
                 bad_nereus = mismatches(store, job, 0)

@@ -163,16 +163,28 @@ def _fault_runs(args, job, cases, rng, torchrun: bool) -> list[list]:
         cases[i] = (a, b, tp, _fault_for(rng, args.inject_fault, tp, args.world, args.timeout))
     if torchrun:  # one process group for every case: no kill (it would end torchrun's job), see run()
         out = launch(reshard_fault_cases, args.world, job, cases, args.seed, args.timeout, args.precision,
-                     timeout_s=120 + 30 * len(cases), backend=args.backend, allow_hung=True)
+                     timeout_s=120 + 30 * len(cases), backend=args.backend, allow_hung=True,
+                     pg_timeout_s=_pg_timeout_s(args, cases))
         return None if out is None else [[o[i] if o is not HUNG else {"rolled_back": False} for o in out]
                                          for i in range(len(cases))]
     per_case = []
     for i, (a, b, tp, fault) in enumerate(cases):
         out = launch(reshard_case, args.world, job, a, b, tp, args.seed + i, fault, args.timeout, STAGING_BYTES,
-                     args.precision, timeout_s=60 + 4 * args.timeout, allow_hung=True, backend=args.backend)
+                     args.precision, timeout_s=60 + 4 * args.timeout, allow_hung=True, backend=args.backend,
+                     pg_timeout_s=_pg_timeout_s(args, [cases[i]]))
         per_case.append([{"killed": True} if o is HUNG and fault.kind == "kill" and r == fault.rank
                          else o if o is not HUNG else {"rolled_back": False} for r, o in enumerate(out)])
     return per_case
+
+
+def _pg_timeout_s(args, cases) -> float:
+    """The process-group timeout: 60 s on gloo; on NCCL above the worst case of the longest
+    transition (``vote.nccl_pg_timeout_s``), so the watchdog never acts before the rollback."""
+    from nereus.executor.reshard.vote import nccl_pg_timeout_s
+
+    if args.backend != "nccl":
+        return 60.0
+    return nccl_pg_timeout_s(args.timeout, max(c[2].rounds for c in cases))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             per_case = _fault_runs(args, job, cases, rng, env is not None)
         else:
             out = launch(reshard_cases, args.world, job, cases, args.seed, args.timeout, args.precision,
-                         timeout_s=120 + 30 * len(cases), backend=args.backend)
+                         timeout_s=120 + 30 * len(cases), backend=args.backend, pg_timeout_s=_pg_timeout_s(args, cases))
             per_case = None if out is None else [[out[r][i] for r in range(args.world)] for i in range(len(cases))]
     if per_case is None:  # a torchrun rank other than 0: rank 0 reports
         return 0

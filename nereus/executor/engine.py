@@ -27,11 +27,11 @@ import torch.utils.checkpoint
 
 from nereus.errors import SpecError
 from nereus.executor import model as M
-from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, RolledBack, apply_transition
+from nereus.executor.apply import STAGING_BYTES, ApplyReport, FaultSpec, apply_transition
 from nereus.executor.layout import OPT_KINDS, param_dtype, rank_regions, stored
 from nereus.executor.memory import MemoryMeter, kv_cache_bytes
 from nereus.executor.optim import AdamW, adamw_update, zero_allgather
-from nereus.executor.parallel import PlacementGroups, all_reduce
+from nereus.executor.parallel import PlacementGroups, all_reduce, on_rebuild
 from nereus.executor.store import TORCH_DTYPES, ShardStore, region_slices
 from nereus.executor.transport import DistTransport, Transport
 from nereus.models.inventory import pp_layer_range, split_range
@@ -65,6 +65,12 @@ class Engine:
         self.meter: MemoryMeter | None = None
         """Optional per-rank memory accounting (KV cache, logits, saved activations)."""
         self._bind(placement)
+        on_rebuild(self)  # NCCL: every Engine of the process rebinds when the groups are rebuilt
+
+    def rebind_groups(self) -> None:
+        """Make this placement's process groups again (after ``parallel.abort_and_rebuild``; called
+        on every rank for every Engine, in creation order, so the collective group creation lines up)."""
+        self._bind(self.placement)
 
     def rebind(self, placement: StagePlacement) -> None:
         """Rebuild the model views after the shared store changed layout (a transition applied
@@ -384,14 +390,10 @@ class Engine:
         back (TransitionError) and the engine stays bound to the old placement."""
         for t in self.w.values():
             t.grad = None
-        try:
-            with torch.no_grad():
-                report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
-                                          timeout_s=timeout_s, fault=fault, staging_bytes=staging_bytes)
-        except RolledBack as e:
-            if e.groups_rebuilt:  # NCCL: the old groups were aborted; bind the old placement to new ones
-                self._bind(self.placement)
-            raise
+        # on a rollback that rebuilt the groups (NCCL) every Engine has rebound already (parallel.on_rebuild)
+        with torch.no_grad():
+            report = apply_transition(self.store, tplan, self.rank, transport or DistTransport(self.rank),
+                                      timeout_s=timeout_s, fault=fault, staging_bytes=staging_bytes)
         self._bind(placement)
         return report
 

@@ -65,6 +65,51 @@ def _set_device(backend: str, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+"""Set before an NCCL group is made: the watchdog must not tear the process down on a stuck
+operation (its default); the executor bounds every wait itself (polled deadlines), aborts the
+communicators and rolls back. Blocking wait stays off (``Work.wait`` must not block the host)."""
+
+_JOINED: dict = {}
+"""What this process joined with: the rendezvous ``store`` (captured right after init: an abort
+or rebuild replaces the default group's) and the process-group ``timeout_s``."""
+
+
+def join_group(backend: str, local_rank: int, *, init_method: str, rank: int | None = None,
+               world: int | None = None, pg_timeout_s: float = 60.0) -> None:
+    """Join the default process group. NCCL: the device set first, ``NCCL_ENV`` set before init,
+    and the device bound (``device_id``), so NCCL creates the world's communicator eagerly, here,
+    on every rank together, instead of inside the first batched send/receive, which torch
+    requires every rank of the group to enter (ranks with nothing to send would never come); then
+    one all-ranks warm-up all-reduce on the device. The rendezvous store and the timeout are
+    recorded (``rendezvous_store``, ``joined_timeout_s``)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    kwargs = {} if rank is None else {"rank": rank, "world_size": world}
+    nccl = "nccl" in backend
+    if nccl:
+        os.environ.update(NCCL_ENV)
+        _set_device(backend, local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s), **kwargs)
+    _JOINED.update(store=c10d._get_default_store(), timeout_s=pg_timeout_s)
+    if nccl:
+        dist.all_reduce(torch.zeros(1, device=kwargs["device_id"]))
+        torch.cuda.synchronize(kwargs["device_id"])
+
+
+def rendezvous_store():
+    """The rendezvous store this process joined through (None before ``join_group``)."""
+    return _JOINED.get("store")
+
+
+def joined_timeout_s() -> float | None:
+    """The process-group timeout this process joined with (None if not joined by ``join_group``)."""
+    return _JOINED.get("timeout_s")
+
+
 def rank_device():
     """The device this rank keeps its tensors on: ``cuda:<local rank>`` under NCCL, else CPU."""
     import torch
@@ -84,9 +129,8 @@ def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: fl
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["LOCAL_RANK"] = str(rank)  # one node: the local rank is the rank
     try:
-        _set_device(backend, rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        join_group(backend, rank, init_method=f"file://{init_file}", rank=rank, world=world,
+                   pg_timeout_s=pg_timeout_s)
         out = fn(rank, world, *args)
         # by value: a tensor shared through a file descriptor dies with this process
         results.put((rank, "ok", pickle.dumps(out)))
@@ -107,7 +151,6 @@ each call's results in the rendezvous store."""
 
 def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, backend: str, pg_timeout_s: float,
                      allow_hung: bool, everywhere: bool = False) -> list[Any] | None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -116,8 +159,7 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
         raise NereusError(f"torchrun started {size} processes (WORLD_SIZE) but this run needs {world}: "
                           f"pass --nproc-per-node/--nnodes for {world}, or --world {size}")
     if not dist.is_initialized():
-        _set_device(backend, local_rank)
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=pg_timeout_s))
+        join_group(backend, local_rank, init_method="env://", pg_timeout_s=pg_timeout_s)
         # torchrun's processes outlive a launch: tear the group down before the interpreter does, or a
         # communicator thread still running at exit aborts the process ("terminate called without an
         # active exception", SIGABRT) after its work is done
@@ -128,7 +170,7 @@ def _launch_torchrun(fn: Callable, world: int, args: tuple, timeout_s: float, ba
         status, value = "ok", pickle.dumps(fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to rank 0 with the traceback
         status, value = "error", traceback.format_exc().encode()
-    store = c10d._get_default_store()
+    store = rendezvous_store() or c10d._get_default_store()  # the one joined through: survives an abort
     store.set(f"{key}{rank}", pickle.dumps((status, value)))
     if rank != 0 and not everywhere:
         store.wait([f"{key}done"], timedelta(seconds=timeout_s + 30))  # leave only once rank 0 has read every answer

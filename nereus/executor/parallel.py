@@ -11,6 +11,7 @@ of its first- and last-stage copies), and caches them by member tuple.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,18 +46,61 @@ def side_group(ranks: tuple[int, ...]):
     return _SIDE[ranks]
 
 
+_ON_REBUILD: list = []
+"""Weak references to what must rebuild its groups after ``abort_and_rebuild`` (every ``Engine`` of
+the process), in registration order: the same order on every rank, since new groups are made
+collectively."""
+
+
+def on_rebuild(obj) -> None:
+    """Call ``obj.rebind_groups()`` after every rebuild of the process groups (held weakly)."""
+    _ON_REBUILD.append(weakref.ref(obj))
+
+
+def _rebind_all() -> int:
+    alive = [r() for r in _ON_REBUILD]
+    _ON_REBUILD[:] = [weakref.ref(o) for o in alive if o is not None]
+    for o in alive:
+        if o is not None:
+            o.rebind_groups()
+    return sum(o is not None for o in alive)
+
+
+def abort_data_groups() -> int:
+    """Abort this process's NCCL communicators now (local, waits for no peer; queued kernels are
+    cancelled), the moment this rank decides to roll back: the default group's and every
+    ``group_of`` group's NCCL backend. The gloo side groups stay up for the vote. Returns how many
+    communicators were aborted."""
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+        return 0
+    n = 0
+    for g in (dist.group.WORLD, *_GROUPS.values()):
+        try:
+            g._get_backend(torch.device("cuda")).abort()
+            n += 1
+        except Exception:  # noqa: BLE001 - already aborted, or no NCCL backend on this group
+            pass
+    return n
+
+
 def abort_and_rebuild(rebuild: bool, timeout_s: float) -> bool:
     """After a failed transition on NCCL: abort every communicator of this process (local, does not
-    wait for peers; queued kernels are cancelled), then, if ``rebuild``, re-create the default
-    process group from the same rendezvous store under a fresh prefix (collective: every rank of
-    the world calls it, as every rank rolls back after a completed "no" vote). Group objects made
-    before (``group_of``, ``side_group``, an Engine's ``PlacementGroups``) are dropped; callers
-    build them again. Returns whether the groups were rebuilt."""
+    wait for peers), then, if ``rebuild`` and every rank of the world agrees within ``timeout_s``
+    (``vote.agree_on_rebuild``, through the rendezvous store captured at init: a second, bounded
+    agreement, since the rebuild is collective and would block on a dead peer), re-create the
+    default process group from that store under a fresh prefix, with the device bound (eager
+    NCCL init) and the process-group timeout this process joined with. Group objects made before
+    (``group_of``, ``side_group``, every ``Engine``'s ``PlacementGroups``) are dropped, and every
+    Engine registered with ``on_rebuild`` rebinds. Returns whether the groups were rebuilt; False
+    means they are gone: this process can run no collective again."""
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
 
-    store = c10d._get_default_store()
+    from nereus.executor.launch import joined_timeout_s, rendezvous_store
+    from nereus.executor.reshard.vote import agree_on_rebuild
+
+    store = rendezvous_store() or c10d._get_default_store()
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     c10d._abort_process_group()  # every group, the default one included
@@ -65,8 +109,12 @@ def abort_and_rebuild(rebuild: bool, timeout_s: float) -> bool:
     if not rebuild:
         return False
     _REBUILDS[0] += 1
+    if not agree_on_rebuild(store, world, _REBUILDS[0], timeout_s):
+        return False
     dist.init_process_group(backend, store=dist.PrefixStore(f"nereus-rebuild-{_REBUILDS[0]}", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=max(60.0, timeout_s)), device_id=device)
+                            world_size=world, timeout=timedelta(seconds=joined_timeout_s() or max(60.0, timeout_s)),
+                            device_id=device)
+    _rebind_all()
     return True
 
 

@@ -141,16 +141,20 @@ class Transport(ABC):
         self.wire_s += time.perf_counter() - t0
         return Posted(recv_handles, send_handles, sends, recvs, staged)
 
-    def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None) -> None:
-        """Wait for what ``start`` posted, message by message in order. As each received message
-        completes, ``on_arrival(i, buf)`` runs on it, a staged message is scattered into its
-        tensors, and ``landed(peer, parts)`` sees the submitted tensors it filled, in order (their
-        bytes still in cache); then the sends are waited for."""
+    def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None,
+               deadline: float | None = None) -> None:
+        """Wait for what ``start`` posted, message by message in order, all under one deadline
+        (``deadline``, a ``time.monotonic()`` value, else ``timeout_s`` from now): a peer that
+        sends each message just within ``timeout_s`` cannot stretch the exchange past it. As each
+        received message completes, ``on_arrival(i, buf)`` runs on it, a staged message is
+        scattered into its tensors, and ``landed(peer, parts)`` sees the submitted tensors it
+        filled, in order (their bytes still in cache); then the sends are waited for."""
         if pending is None:
             return
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         for i, handle in enumerate(pending.recv_handles):
             t0 = time.perf_counter()
-            self._wait(handle, timeout_s)
+            self._wait(handle, self._left(deadline, timeout_s))
             self.wire_s += time.perf_counter() - t0
             peer, buf = pending.recvs[i]
             if on_arrival is not None:
@@ -160,8 +164,14 @@ class Transport(ABC):
             if landed is not None:
                 landed(peer, pending.staged[i] or [buf])
         t0 = time.perf_counter()
-        self._wait(pending.send_handles, timeout_s)
+        self._wait(pending.send_handles, self._left(deadline, timeout_s))
         self.wire_s += time.perf_counter() - t0
+
+    def _left(self, deadline: float, timeout_s: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransitionError(f"rank {self.rank}: the exchange did not complete within {timeout_s:g} s")
+        return left
 
     streaming = True
     """Receives and sends may be posted in separate calls (gloo: each message is independent).
@@ -196,6 +206,15 @@ class Transport(ABC):
         """Called by a rank that rolls back, after the vote; True if the process groups were
         rebuilt (NCCL only: see ``DistTransport``)."""
         return False
+
+    def abort_now(self) -> None:
+        """Called the moment this rank decides to roll back, before the vote: NCCL aborts its
+        data communicators at once (work queued on them can never block this rank again); the
+        vote runs on the gloo side group, which stays up. Nothing elsewhere."""
+
+    pg_timeout_s: float | None = None
+    """The process-group timeout the data groups run under, where known (NCCL: it must exceed
+    ``vote.transition_worst_case_s``, checked by ``apply_transition`` before any byte moves)."""
 
 
 @dataclass(slots=True)
@@ -264,9 +283,11 @@ class DistTransport(Transport):
         self._limits: dict[float, timedelta] = {}
         self._vote_group = group
         if not self.streaming:  # NCCL: the vote and the step counts go on a gloo side group (host tensors)
+            from nereus.executor.launch import joined_timeout_s
             from nereus.executor.parallel import side_group
 
             self._vote_group = side_group(tuple(sorted(members)))
+            self.pg_timeout_s = joined_timeout_s()
 
     def _post_together(self, sends: list, recvs: list) -> tuple[list, list]:
         import torch.distributed as dist
@@ -344,6 +365,12 @@ class DistTransport(Transport):
 
         return abort_and_rebuild(vote_completed, timeout_s)
 
+    def abort_now(self) -> None:
+        if not self.streaming:
+            from nereus.executor.parallel import abort_data_groups
+
+            abort_data_groups()
+
     def max_ints(self, values: list[int], timeout_s: float) -> list[int]:
         import torch.distributed as dist
 
@@ -385,10 +412,21 @@ class MockHub:
 class MockTransport(Transport):
     """In-process transport: a send clones into the peer's mailbox; a receive waits on it."""
 
-    def __init__(self, rank: int, hub: MockHub, bucket_bytes: int = BUCKET_BYTES, streaming: bool = True) -> None:
+    def __init__(self, rank: int, hub: MockHub, bucket_bytes: int = BUCKET_BYTES, streaming: bool = True,
+                 pg_timeout_s: float | None = None) -> None:
         super().__init__(rank, bucket_bytes)
         self.hub = hub
         self.streaming = streaming
+        self.pg_timeout_s = pg_timeout_s
+        self.events: list[str] = []
+        """``abort`` and ``vote`` in the order they happened (tests of the NCCL path's order)."""
+
+    def abort_now(self) -> None:
+        self.events.append("abort")
+
+    def after_rollback(self, vote_completed: bool, timeout_s: float) -> bool:
+        self.events.append(f"after_rollback(vote_completed={vote_completed})")
+        return False
 
     def _post_sends(self, sends: list) -> list:
         with self.hub._lock:
@@ -415,6 +453,7 @@ class MockTransport(Transport):
         rank forms one reduction, and a rank whose wait times out has still contributed (gloo
         does not take back a posted all-reduce), so its peers may complete without it failing."""
         hub = self.hub
+        self.events.append("collective")
         with hub._cond:
             k = hub._calls[self.rank]
             hub._calls[self.rank] += 1

@@ -26,7 +26,7 @@ TPLAN = plan_transition(JOB, local_cluster(2), A, B, mixed_precision=False, sche
 
 
 def _rank(rank, world):
-    import nereus.executor.store as store_mod
+    import nereus.executor.reshard.checksum as store_mod
     from nereus.errors import TransitionError
     from nereus.executor.memory import tensors_created_on
     from nereus.executor.engine import Engine

@@ -68,7 +68,7 @@ def test_checksum_is_xxh3_of_the_bytes_for_any_dtype_and_shape(impl, monkeypatch
     ranks with and without libxxhash agree."""
     import xxhash
 
-    from nereus.executor import store
+    from nereus.executor.reshard import checksum as store
 
     if impl == "python xxhash":
         monkeypatch.setattr(store, "_XXH3", None)

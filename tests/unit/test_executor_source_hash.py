@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-import nereus.executor.store as store_mod
+import nereus.executor.reshard.checksum as store_mod
 from nereus.errors import TransitionError
 from nereus.executor.apply import FaultSpec, _NewLayout, _prepare, apply_transition
 from nereus.executor.scenario import init_store, local_cluster, make_plan, mismatches, tiny_job

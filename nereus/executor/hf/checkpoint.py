@@ -107,12 +107,24 @@ def load_regions(store: ShardStore, model: ModelSpec, role: str, placement: Stag
     return sum(r.nbytes for r in regions)
 
 
+def host_group():
+    """The group host tensors travel on: the default one under gloo; under NCCL (which takes only
+    device tensors) the gloo side group over the world (``parallel.side_group``). Collective the
+    first time, like every group."""
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+        return None
+    from nereus.executor.parallel import side_group
+
+    return side_group(tuple(range(dist.get_world_size())))
+
+
 def gather_state(store: ShardStore, model: ModelSpec, role: str, placement: StagePlacement, rank: int, *,
                  kind: str = "param", dst: int = 0, fused: bool = False, precision: str = "fp32",
                  trainable: bool | None = None) -> dict[str, torch.Tensor] | None:
     """Collective over the world: ``role``'s ``kind`` regions (``param``, or ``master`` under
     ``bf16-mixed``) as a Hugging Face state dict on rank ``dst`` (None elsewhere), in the
-    regions' dtype; ``fused``: Megatron-style fused QKV and gate/up names (see ``names``)."""
+    regions' dtype; ``fused``: Megatron-style fused QKV and gate/up names (see ``names``). The
+    pieces travel as host tensors on ``host_group()`` (the gloo side group under NCCL)."""
     trainable = role in TRAINABLE if trainable is None else trainable
     held = {g: [r for r in rank_regions(model, placement, g, role, trainable, precision) if r.kind == kind]
             for g in placement.gpu_ids()}
@@ -123,9 +135,10 @@ def gather_state(store: ShardStore, model: ModelSpec, role: str, placement: Stag
     owned = {g: sorted(r for r in held[g] if owner[r] == g) for g in held}
     if not owner:
         raise SpecError(f"{role} holds no {kind!r} regions at precision {precision} in {placement.name}")
+    group = host_group()
     if rank != dst:
         if owned.get(rank):
-            dist.send(torch.cat([store.get(r).reshape(-1) for r in owned[rank]]).cpu(), dst)
+            dist.send(torch.cat([store.get(r).reshape(-1) for r in owned[rank]]).cpu(), dst, group=group)
         return None
     head = head_of(role)
     dtype = TORCH_DTYPES[next(iter(owner)).dtype]
@@ -138,7 +151,7 @@ def gather_state(store: ShardStore, model: ModelSpec, role: str, placement: Stag
             flat = torch.cat([store.get(r).reshape(-1).cpu() for r in regions])
         else:
             flat = torch.empty(sum(r.numel for r in regions), dtype=dtype)
-            dist.recv(flat, g)
+            dist.recv(flat, g, group=group)
         at = 0
         for r in regions:
             full[r.tensor][tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))] = \

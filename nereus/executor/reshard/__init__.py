@@ -1,0 +1,1 @@
+"""The parts of ``nereus.executor.apply``: pieces, exchanges, checksums, faults, the vote."""
