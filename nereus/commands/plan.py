@@ -28,6 +28,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--placement", choices=("any", "colocated", "disaggregated"), default="any",
                    help="any (solver chooses), colocated (verl-like), disaggregated (OpenRLHF-like)")
+    p.add_argument("--schedule", choices=("auto", "sync", "one_step_off", "fully_async"),
+                   help="override the job's schedule: synchronous steps, or rollout and training overlapped on "
+                        "disjoint pools (one_step_off: staleness 1; fully_async: streaming, a sync every "
+                        "--sync-every steps); auto: the solver picks the fastest the staleness bound admits")
+    p.add_argument("--staleness", type=int, metavar="N",
+                   help="with --schedule: the most policy versions a response may lag (default 1 for async)")
+    p.add_argument("--sync-every", type=pos_int, metavar="N", help="with --schedule fully_async/auto: steps per weight sync")
     p.add_argument("--offload", action="store_true",
                    help="let trainable models keep optimizer state in host memory (at its transfer time)")
     p.add_argument("--context-parallel", action="store_true",
@@ -74,6 +81,24 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     return key, values
 
 
+def with_schedule_args(args, job):
+    """The job with ``--schedule`` / ``--staleness`` / ``--sync-every`` applied (errors name the numbers)."""
+    from dataclasses import replace
+
+    from nereus.planner.schedules import ScheduleSpec
+
+    if args.schedule is None:
+        if args.staleness is not None or args.sync_every is not None:
+            raise SpecError("--staleness and --sync-every need --schedule (or set them in the job's schedule:)")
+        return job
+    kw = {"kind": args.schedule}
+    if args.staleness is not None:
+        kw["staleness"] = args.staleness
+    if args.sync_every is not None:
+        kw["sync_every"] = args.sync_every
+    return replace(job, schedule=ScheduleSpec(**kw))
+
+
 def _problem(args, job, cluster, params, *, mean=None, max_=None, gpus=None):
     from nereus.planner.solver import CandidateSettings, PlanConstraints, PlanProblem
 
@@ -112,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--verl-engine {args.verl_engine} needs --emit verl")
     if args.emit and args.sweep:
         raise SpecError("--emit writes the launch command of one plan; it does not combine with --sweep")
+    job = with_schedule_args(args, job)
     if args.sweep:
         return _run_sweep(args, job, cluster, params)
     problem = _problem(args, job, cluster, params)
@@ -185,6 +211,18 @@ def print_plan(problem, sol, con=None) -> None:
               f"{ex.get('weight_sync_s', 0.0):.3f} s)")
     gap = "-" if not math.isfinite(sol.gap) else f"{sol.gap:.2%}"
     con.print(f"status {sol.status}, gap {gap}, {sol.backend} in {sol.wall_s:.2f} s")
+    sched = ex.get("schedule")
+    if sched:
+        idle = ex.get("idle_share") or {}
+        pools = ", ".join(f"{k} pool idle {v:.0%}" for k, v in idle.items())
+        con.print(f"schedule: [bold]{sched['kind']}[/] (staleness {sched.get('staleness', 0)}"
+                  + (f", a weight sync every {sched['sync_every']} steps" if sched.get("sync_every", 1) > 1 else "")
+                  + (f"; {pools}" if pools else "") + ")")
+    steps = ex.get("schedule_step_s")
+    if steps:
+        best = sched["kind"]
+        alts = "; ".join(f"{k} {v:.2f} s" if v is not None else f"{k} infeasible" for k, v in steps.items())
+        con.print(f"schedule auto chose {best}: step time by schedule: {alts}")
 
 
 def _row(key, value, sol) -> dict:

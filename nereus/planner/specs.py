@@ -7,8 +7,8 @@ renamed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from functools import lru_cache
 from enum import Enum
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,6 +18,7 @@ from nereus.errors import SpecError
 from nereus.jsonio import check_keys, naming, one_line, read_text
 from nereus.models.spec import ModelSpec, load_model
 from nereus.planner.cluster import GPU_PRESETS, MAX_GPUS, ClusterSpec, GPUSpec, _positive  # noqa: F401 (re-exported)
+from nereus.planner.schedules import ScheduleSpec
 
 GiB = 1024**3
 
@@ -158,6 +159,8 @@ class JobSpec:
     batch: BatchSpec
     sequence: SequenceSpec
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    """Synchronous steps, or rollout and training overlapped on disjoint pools (``schedules.py``)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("ppo", "grpo"):
@@ -216,11 +219,17 @@ class JobSpec:
                       "ppo_epochs": b.ppo_epochs, "mini_batches": b.mini_batches},
             "sequence": seq,
             **({"rollout": self.rollout.to_dict()} if self.rollout != RolloutSpec() else {}),
+            **({"schedule": self.schedule.to_dict()} if self.schedule != ScheduleSpec() else {}),
         }
+
+    def with_schedule(self, kind: str) -> "JobSpec":
+        """This job with its schedule decided (``auto`` resolved to ``kind``)."""
+        return replace(self, schedule=self.schedule.fixed(kind))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base_dir: Path | None = None) -> "JobSpec":
-        check_keys("job", d, {"algorithm", "models", "batch", "sequence", "rollout"}, ("algorithm", "models", "batch", "sequence"))
+        check_keys("job", d, {"algorithm", "models", "batch", "sequence", "rollout", "schedule"},
+                   ("algorithm", "models", "batch", "sequence"))
         models = d["models"]
         check_keys("job.models", models, set(ROLES))
         pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
@@ -231,7 +240,8 @@ class JobSpec:
         rollout = d.get("rollout") or {}
         check_keys("job.rollout", rollout, {f.name for f in fields(RolloutSpec)})
         return cls(algorithm=str(d["algorithm"]).lower(), models=pairs,
-                   batch=BatchSpec(**d["batch"]), sequence=SequenceSpec(**d["sequence"]), rollout=RolloutSpec(**rollout))
+                   batch=BatchSpec(**d["batch"]), sequence=SequenceSpec(**d["sequence"]), rollout=RolloutSpec(**rollout),
+                   schedule=ScheduleSpec.from_value(d["schedule"]) if "schedule" in d else ScheduleSpec())
 
 
 # ------------------------------------------------------------------------------------------------

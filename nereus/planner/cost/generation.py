@@ -45,11 +45,21 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
         per_seq_peak = P + cap
     else:
         per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
-    concurrency = max(1, min(n, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
+    streaming = job.schedule.kind == "fully_async" and job.rollout.engine != "static"
+    # streaming: the next batch's prompts enter as this one's responses finish, so the engine runs
+    # as many sequences as it holds, not only this batch's n
+    concurrency = max(1, min(n if not streaming else 10**9, job.rollout.max_num_seqs,
+                             int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
-                                   concurrency, job.rollout.enforce_eager)
+                                   concurrency, job.rollout.enforce_eager, streaming)
     t = {"prefill": t_prefill, **dict(acc)}
-    if job.rollout.sleep:  # weights back from host at wake-up, out again at sleep; KV pool re-created
+    if streaming:  # partial rollouts: at every weight sync the in-flight responses are prefilled again
+        # (every running sequence, at half its response on average), once per sync_every steps
+        t["partial_resume"] = prefill_s(model, tp, pp, P + mean / 2, concurrency, concurrency, cluster,
+                                        p) / job.schedule.sync_every
+    if job.rollout.sleep and not job.schedule.is_async:
+        # a colocated engine: weights back from host at wake-up, out again at sleep; KV pool re-created
+        # (an async plan's rollout pool is its own and never sleeps)
         # sleep: the weights out to host memory, the KV pool released without a copy
         t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + host_copy_s(weights, p)
     kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
@@ -64,7 +74,8 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
 @lru_cache(maxsize=8192)
 def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams, engine: str, n: int,
                   P: int, mean: float, p90: float | None, cap: int, total: int,
-                  concurrency: int, eager: bool = False) -> tuple[float, tuple[tuple[str, float], ...]]:
+                  concurrency: int, eager: bool = False,
+                  streaming: bool = False) -> tuple[float, tuple[tuple[str, float], ...]]:
     """Prefill seconds and the decode components of one replica's ``n`` sequences (of ``total``
     in the step), at most ``concurrency`` at a time, over the decode grid (points (x, sequences
     still running)). Cached: plans that differ elsewhere, or only in how much KV room they leave
@@ -90,6 +101,9 @@ def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: C
         if launch:
             acc["eager_launch"] += steps * max(0.0, launch - max(mem, cmp_) - comm)
 
+    if streaming:  # fully async: the engine stays full; this batch's share of its work, no tail of its own
+        run(n * mean / concurrency, concurrency, P + mean)
+        return t_prefill, tuple(acc.items())
     if n > concurrency and static:  # sequential batches, each decoding to its longest
         run((math.ceil(n / concurrency) - 1) * grid[-1][0], concurrency, P + grid[-1][0] / 2)
     elif n > concurrency:  # queue phase: the engine stays full while waiting sequences take freed slots

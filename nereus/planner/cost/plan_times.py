@@ -7,22 +7,36 @@ this is the plain composition of the analytic cost model that both sides can aff
 
 Step time = sum over phases of the phase makespan (max over GPUs of the summed durations of the
 model-stages running on that GPU in that phase) + the actor's weight sync from training to
-generation layout. Memory per GPU = residents of every model homed on that GPU (pools nest: a
+generation layout; for an asynchronous schedule max(rollout, trainer) + the sync that cannot
+overlap (``planner.schedules``). Memory per GPU = residents of every model homed on that GPU (pools nest: a
 generation pool spans the actor's and the critic's) + the running stage's transient; generation's
 KV budget is what the inference engine may take after those residents.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from nereus.planner.cost.model import engine_memory_util, estimate, params_per_gpu, weight_sync_s
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import HOME_STAGE, Plan
+from nereus.planner.schedules import ScheduleSpec, step_time
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
 GiB = 1024**3
+
+
+def job_for(job: JobSpec, plan: Plan) -> JobSpec:
+    """``job`` with the schedule ``plan`` was made for: the plan's recorded schedule (an ``auto`` job's
+    plan says which it is), else the job's own (``auto`` with nothing recorded: sync)."""
+    rec = dict(plan.extras).get("schedule")
+    kind = rec.get("kind") if isinstance(rec, dict) else (job.schedule.kind if job.schedule.kind != "auto" else "sync")
+    if kind == job.schedule.kind:
+        return job
+    if kind not in job.schedule.candidates():
+        return replace(job, schedule=ScheduleSpec.from_value(rec))
+    return job.with_schedule(kind)
 
 
 def workload_key(w: Workload) -> tuple:
@@ -54,15 +68,22 @@ def _covers(s, seg: tuple[int, int]) -> bool:
     return s.first_gpu <= seg[0] and seg[1] <= s.first_gpu + s.gpus
 
 
-def compose_step(job: JobSpec, plan: Plan, stage_s: Mapping[str, float], sync_s: float) -> float:
-    """Sum of phase makespans + weight sync; a phase's makespan is the largest, over GPUs, of the
-    summed times of that phase's stages running on the GPU."""
-    total = sync_s
+def phase_makespans(job: JobSpec, plan: Plan, stage_s: Mapping[str, float]) -> list[float]:
+    """Each phase's makespan: the largest, over GPUs, of the summed times of that phase's stages
+    running on the GPU."""
     segs = _segments(plan)
+    out = []
     for phase in job.phases():
         stages = [plan.stage(ms) for ms in phase]
-        total += max((sum(stage_s[s.name] for s in stages if _covers(s, seg)) for seg in segs), default=0.0)
-    return total
+        out.append(max((sum(stage_s[s.name] for s in stages if _covers(s, seg)) for seg in segs), default=0.0))
+    return out
+
+
+def compose_step(job: JobSpec, plan: Plan, stage_s: Mapping[str, float], sync_s: float) -> float:
+    """Step time from the phase makespans and the weight sync under the plan's schedule: their sum
+    for ``sync``; max(rollout, trainer) + the sync that cannot overlap for an asynchronous one
+    (``planner.schedules.step_time``)."""
+    return step_time(job_for(job, plan).schedule, phase_makespans(job, plan, stage_s), sync_s)
 
 
 def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, params: CostParams,
@@ -72,6 +93,7 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     running stage's transient. ``memo``: a dict the caller keeps for one job and one set of
     parameters, where stage estimates are shared between plans that hold a model-stage in the same
     configuration (the controller re-scores a library of plans that differ in a few stages)."""
+    job = job_for(job, plan)
     usable = cluster.gpu.usable_bytes
     segs = _segments(plan)
     resident = {seg: 0.0 for seg in segs}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from nereus.errors import SpecError
 from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.schedules import ROLLOUT, TRAINER, idle_shares, step_time
 from nereus.planner.solver.candidates import ACTOR, GEN, KIB, Option, Tables
 from nereus.planner.specs import ClusterSpec
 
@@ -69,7 +70,9 @@ def objective(t: Tables, a: Assignment) -> tuple[float, bool, tuple[float, ...],
         feasible &= mem <= t.capacity_kib
     g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
     sync = t.sync_s(a.unit_option[g], a.unit_option[tr].size, a.overlap(g, tr))
-    return sum(ms) + sync, feasible, tuple(ms), sync
+    if t.schedule.is_async and any(a.overlap(g, v) for v in range(len(t.units)) if v != g):
+        feasible = False  # an async plan's rollout pool is its own
+    return step_time(t.schedule, ms, sync), feasible, tuple(ms), sync
 
 
 def place(a: Assignment, num_gpus: int) -> tuple[int, ...]:
@@ -114,6 +117,10 @@ def to_plan(t: Tables, a: Assignment, cluster: ClusterSpec, *, status: str, solv
     offloaded = tuple(u.name for u, o in zip(t.units, a.unit_option) if o.offload)
     extras = (("weight_sync_s", sync), ("phase_makespan_s", tuple(ms)),
               ("generation_kv_budget_gib", None if kv is None else kv / GiB), ("offload", offloaded))
+    if t.schedule.kind != "sync":  # the schedule, each model-stage's pool (rollout / trainer) and their idle shares
+        pools = {s.name: ROLLOUT if s.name == GEN else TRAINER for s in stages}
+        extras += (("schedule", t.schedule.to_dict()), ("stage_pools", pools),
+                   ("idle_share", idle_shares(t.schedule, ms, sync)))
     return Plan(stages=tuple(stages), step_time_s=obj, status=status, solve_s=solve_s, gap=gap, backend=backend,
                 extras=extras)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from nereus.errors import SpecError
+from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
 from nereus.planner.solver.candidates import ACTOR, GEN, Tables, blocks
 from nereus.planner.solver.problem import PlanProblem
@@ -68,12 +69,13 @@ class _Search:
         self.best_obj, self.best = math.inf, None
 
     def partial_obj(self) -> float:
-        obj = sum(max(row) for row in self.load)
+        """The objective of the units chosen so far (step_time only grows with more units)."""
+        sync = 0.0
         if self.g in self.chosen and self.tr in self.chosen:
             (bg, og), (bt, ot) = self.chosen[self.g], self.chosen[self.tr]
             col = bg[0] < bt[0] + bt[1] and bt[0] < bg[0] + bg[1]
-            obj += self.t.sync_s(og, ot.size, col)
-        return obj
+            sync = self.t.sync_s(og, ot.size, col)
+        return step_time(self.t.schedule, [max(row) for row in self.load], sync)
 
     def rec(self, i: int) -> None:
         if i == len(self.order):
@@ -86,6 +88,10 @@ class _Search:
             segs = range(blk[0] // self.seg, (blk[0] + blk[1]) // self.seg)
             if self.disagg and any(self.owner[s] for s in segs):
                 continue
+            if self.t.schedule.is_async and u != self.g and self.g in self.chosen:
+                bg = self.chosen[self.g][0]  # an async plan's rollout pool is its own
+                if bg[0] < blk[0] + blk[1] and blk[0] < bg[0] + bg[1]:
+                    continue
             for o in self.t.options[u]:
                 if o.size == blk[1]:
                     self.try_option(i, u, blk, segs, o)

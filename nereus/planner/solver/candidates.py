@@ -18,6 +18,7 @@ import numpy as np
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.planner.cost.model import engine_memory_util, estimate, offload_s, weight_sync_s
+from nereus.planner.schedules import ScheduleSpec, step_time
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
 
@@ -76,6 +77,8 @@ class Tables:
     n_phases: int
     sync_keys: tuple[tuple[int, bool], ...]
     """(train pool size, colocated) pairs indexing Option.sync."""
+    schedule: ScheduleSpec = ScheduleSpec()
+    """The job's schedule (decided, never ``auto``): how phase makespans compose into a step."""
 
     def unit_index(self, name: str) -> int:
         for i, u in enumerate(self.units):
@@ -352,7 +355,7 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
             opts += prune_dominated(unit_options(problem, ui, u, s, n_phases, sync_keys))
         options.append(tuple(opts))
     return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
-                  num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys)
+                  num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys, schedule=problem.job.schedule)
 
 
 def prune_by_bound(t: Tables, upper: float) -> Tables:
@@ -376,12 +379,13 @@ def prune_by_bound(t: Tables, upper: float) -> Tables:
     for u, opts in enumerate(t.options):
         keep = []
         for o in opts:
-            lb = 0.0
+            phase_lb = []
             for ph in range(t.n_phases):
                 others = [v for v in range(n) if v != u]
-                lb += max([o.durations[ph], (o.durations[ph] * o.size + sum(area[ph][v] for v in others)) / N]
-                          + [fastest[ph][v] for v in others])
-            lb += min(o.sync) if u == g else (sync_for_size[o.size] if u == tr else min_sync)
+                phase_lb.append(max([o.durations[ph], (o.durations[ph] * o.size + sum(area[ph][v] for v in others)) / N]
+                                    + [fastest[ph][v] for v in others]))
+            sync_lb = min(o.sync) if u == g else (sync_for_size[o.size] if u == tr else min_sync)
+            lb = step_time(t.schedule, phase_lb, sync_lb)  # monotone in every argument: a lower bound
             if lb <= upper * (1 + 1e-9):
                 keep.append(o)
         options.append(tuple(keep))

@@ -11,7 +11,9 @@ import math
 
 from nereus.errors import SpecError
 from nereus.planner.cost.model import estimate, offload_s, weight_sync_s
+from nereus.planner.cost.plan_times import job_for
 from nereus.planner.plan import HOME_STAGE, Plan
+from nereus.planner.schedules import step_time
 from nereus.planner.solver.problem import PlanEvaluation, PlanProblem
 from nereus.planner.specs import GiB
 
@@ -70,7 +72,9 @@ def _on_cluster(s, n: int) -> range:
 
 
 def evaluate_plan(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
-    """Step time, memory per GPU and violations of ``plan`` for ``problem``'s workload."""
+    """Step time, memory per GPU and violations of ``plan`` for ``problem``'s workload, under the
+    schedule the plan was made for (``plan_times.job_for``)."""
+    problem = dataclasses.replace(problem, job=job_for(problem.job, plan))
     c = problem.cluster
     violations = _layout_violations(problem, plan)
     try:
@@ -109,10 +113,16 @@ def evaluate_plan(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
         makespans.append(max(load))
     train, gen = plan.stage("actor/training"), plan.stage(GEN)
     colocated = bool(set(train.gpu_ids()) & set(gen.gpu_ids()))
+    schedule = problem.job.schedule
+    if schedule.is_async:  # the rollout pool is its own: no trainer-side model-stage on its GPUs
+        shared = [s.name for s in plan.stages if s.name != GEN and set(s.gpu_ids()) & set(gen.gpu_ids())]
+        if shared:
+            violations.append(f"{schedule.kind}: the rollout pool (GPUs {gen.first_gpu}-{gen.first_gpu + gen.gpus - 1}) "
+                              f"is shared with {', '.join(shared)}")
     sync = weight_sync_s(problem.job.model("actor"), train.config, gen.config, c, colocated, problem.params)
     stage_mem = tuple((s.name, max((resident[g] + ests[s.name].transient_bytes for g in _on_cluster(s, n)),
                                    default=math.inf) / GiB) for s in plan.stages)
-    return PlanEvaluation(step_time_s=sum(makespans) + sync, feasible=not violations, violations=tuple(violations),
+    return PlanEvaluation(step_time_s=step_time(schedule, makespans, sync), feasible=not violations, violations=tuple(violations),
                           stage_time_s=tuple((s.name, ests[s.name].time_s) for s in plan.stages),
                           stage_mem_gib=stage_mem, phase_makespan_s=tuple(makespans), weight_sync_s=sync,
                           peak_mem_gib=max(per_gpu) / GiB, capacity_gib=cap / GiB)

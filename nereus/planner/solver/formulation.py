@@ -26,6 +26,9 @@ class Formulation:
         self.t_hi = sum(max(sum(o.durations) for o in opts) for opts in t.options) + \
             max((max(o.sync) for o in t.options[t.unit_index(GEN)]), default=0.0)
         self.mem_hi = float(t.capacity_kib * 2 + sum(max(o.resident_kib for o in opts) for opts in t.options))
+        sched = t.schedule
+        self.sync_factor = 1.0 / sched.sync_every if sched.kind == "fully_async" else 1.0
+        """Share of a weight sync each step pays (fully async: one sync every ``sync_every`` steps)."""
         self.add_assignment()
         self.add_tree()
         self.add_packing()
@@ -35,6 +38,8 @@ class Formulation:
         self.add_weight_sync()
         self.add_valid_cuts()
         self.add_placement_rules()
+        if sched.is_async:
+            self.add_async_schedule()
 
     def uname(self, u: int) -> str:
         return self.t.units[u].name
@@ -183,7 +188,7 @@ class Formulation:
         for oi, o in enumerate(t.options[g]):
             for (s, col), val in zip(t.sync_keys, o.sync):
                 if any(q.size == s for q in t.options[tr]):
-                    m.add([(self.sync, 1)], ">=", val, "time",
+                    m.add([(self.sync, 1)], ">=", val * self.sync_factor, "time",
                           enforce=(self.z[g, oi], tsize[s], self.coloc if col else sep))
         m.objective = [(x, 1.0) for x in self.ms] + [(self.sync, 1.0)]
 
@@ -200,7 +205,23 @@ class Formulation:
                     area += [(self.z[u, oi], o.durations[ph] * o.size / N) for oi, o in enumerate(t.options[u])]
             m.add([(self.ms[ph], 1)] + [(x, -c) for x, c in area], ">=", 0, "time")
         g = t.unit_index(GEN)
-        m.add([(self.sync, 1)] + [(self.z[g, oi], -min(o.sync)) for oi, o in enumerate(t.options[g])], ">=", 0, "time")
+        m.add([(self.sync, 1)] + [(self.z[g, oi], -min(o.sync) * self.sync_factor) for oi, o in enumerate(t.options[g])],
+              ">=", 0, "time")
+
+    # asynchronous schedule: the rollout (generation) pool shares no GPU with any other unit, and a
+    # step lasts as long as the slower side: step >= rollout, step >= experience + training; the
+    # weight sync (x sync_factor) is added to either (planner.schedules.step_time)
+    def add_async_schedule(self) -> None:
+        m, t = self.m, self.t
+        g = t.unit_index(GEN)
+        for v in self.U:
+            if v != g:
+                for k in self.K:
+                    m.add([(self.cov[g, k], 1), (self.cov[v, k], 1)], "<=", 1)
+        self.step = m.new("step[async]", 0, self.t_hi, "time")
+        m.add([(self.step, 1), (self.ms[0], -1)], ">=", 0, "time")
+        m.add([(self.step, 1)] + [(x, -1) for x in self.ms[1:]], ">=", 0, "time")
+        m.objective = [(self.step, 1.0), (self.sync, 1.0)]
 
     def add_placement_rules(self) -> None:
         from nereus.planner.solver.structure import placement_skeleton

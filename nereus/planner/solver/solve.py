@@ -156,6 +156,8 @@ def solve(problem: PlanProblem, backend: str = "cpsat", time_limit_s: float = 10
     inputs give the same plan however loaded the machine is (``solve_cpsat``)."""
     if backend not in BACKENDS:
         raise SpecError(f"unknown solver backend {backend!r}; choose one of {BACKENDS}")
+    if problem.job.schedule.kind == "auto":
+        return _solve_schedules(problem, backend, time_limit_s, workers, seed, deterministic)
     t0 = time.perf_counter()
     sol = _solve_step_time(problem, backend, time_limit_s, workers, seed, t0, deterministic)
     if problem.current_plan is None or problem.amortize_steps <= 0:
@@ -197,3 +199,29 @@ def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, ti
     plan = replace(plan, status=status, gap=gap, solve_s=wall, backend=backend,
                    extras=(*plan.extras, ("transition_s", cost(cur, plan))))
     return PlanSolution(status=status, objective=obj, bound=bound, gap=gap, plan=plan, wall_s=wall, backend=backend)
+
+
+def _solve_schedules(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,
+                     deterministic: bool) -> PlanSolution:
+    """``schedule: auto``: the best plan of each schedule the staleness bound admits, each solved
+    exactly, and the fastest of them. The minimum of proven optima is proven optimal (its bound is
+    the least of the bounds); the plan records every schedule's step time (``schedule_step_s``)."""
+    t0 = time.perf_counter()
+    sols = {k: solve(replace(problem, job=problem.job.with_schedule(k)), backend, time_limit_s, workers, seed,
+                     deterministic) for k in problem.job.schedule.candidates()}
+    feasible = {k: s for k, s in sols.items() if s.plan is not None}
+    wall = time.perf_counter() - t0
+    if not feasible:
+        first = next(iter(sols.values()))
+        return replace(first, wall_s=wall, message="; ".join(f"{k}: {s.message}" for k, s in sols.items()))
+    kind, best = min(feasible.items(), key=lambda kv: (kv[1].objective, list(sols).index(kv[0])))
+    proven = all(s.status in ("OPTIMAL", "INFEASIBLE") and s.backend != "greedy" for s in sols.values())
+    bounds = [s.bound for s in feasible.values()]
+    bound = min(bounds) if all(math.isfinite(b) for b in bounds) else math.nan
+    status = "OPTIMAL" if proven else "FEASIBLE"
+    gap = 0.0 if proven else (max(0.0, (best.objective - bound) / best.objective) if math.isfinite(bound) else math.nan)
+    steps = {k: (s.objective if s.plan is not None else None) for k, s in sols.items()}
+    extras = tuple((k, v) for k, v in best.plan.extras if k != "schedule") + (
+        ("schedule", problem.job.schedule.fixed(kind).to_dict()), ("schedule_step_s", steps))
+    plan = replace(best.plan, status=status, gap=gap, solve_s=wall, extras=extras)
+    return replace(best, status=status, bound=bound, gap=gap, plan=plan, wall_s=wall)

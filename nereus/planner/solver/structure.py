@@ -73,6 +73,14 @@ def greedy_templates(problem: PlanProblem, t: Tables) -> list[Skeleton]:
             apart.append(Skeleton(slot_size=(each,) * n, slot_parent=(-1,) * n, unit_slot=tuple(range(n))))
     if problem.constraints.placement == "disaggregated":
         return apart
+    if t.schedule.is_async:  # the rollout pool on its own, the trainers together: both ways round
+        out = []
+        for s in sorted(halves, reverse=True)[:3]:
+            rest = max(x for x in t.sizes if x + s <= N)
+            for gen_size, train_size in ((s, rest), (rest, s)):
+                out.append(Skeleton(slot_size=(train_size, gen_size), slot_parent=(-1, -1),
+                                    unit_slot=tuple(1 if u == g else 0 for u in range(n))))
+        return out + apart
     out = [Skeleton(slot_size=(N,), slot_parent=(-1,), unit_slot=(0,) * n)]
     for s in sorted(halves, reverse=True)[:3]:
         rest = max(x for x in t.sizes if x + s <= N)
