@@ -47,7 +47,8 @@ def run(gpus, time_limit_s: float) -> list[dict]:
                      "cpu_s": _cpu() - cpu0, "gap": None if not math.isfinite(sol.gap) else sol.gap,
                      "step_time_s": sol.objective if sol.plan is not None else None,
                      "chosen": (ex.get("schedule") or {"kind": "sync"})["kind"] if sol.plan is not None else None,
-                     "rollout_gpus": gen.gpus if gen is not None and kind != "sync" else None})
+                     "rollout_gpus": gen.gpus if gen is not None and ex.get("schedule", {}).get("kind", "sync") != "sync"
+                     else None})
     return rows
 
 

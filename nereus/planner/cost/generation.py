@@ -46,10 +46,11 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
     else:
         per_seq_peak = peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
     streaming = job.schedule.kind == "fully_async" and job.rollout.engine != "static"
-    # streaming: the next batch's prompts enter as this one's responses finish, so the engine runs
-    # as many sequences as it holds, not only this batch's n
-    concurrency = max(1, min(n if not streaming else 10**9, job.rollout.max_num_seqs,
-                             int(kv_budget_bytes // (kvg * per_seq_peak))))
+    # streaming: the next batches' prompts enter as this one's responses finish, so the engine runs
+    # more than this batch's n, but never more than the staleness bound lets it run ahead: at most
+    # 1 + staleness batches in flight
+    in_flight = n * (1 + job.schedule.bound) if streaming else n
+    concurrency = max(1, min(in_flight, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
                                    concurrency, job.rollout.enforce_eager, streaming)
     t = {"prefill": t_prefill, **dict(acc)}
