@@ -9,7 +9,10 @@ printed and written as ``imports_s`` beside the rows, not hidden in the first ro
 child), which stays meaningful when other work shares the machine's two cores. Step times are
 predictions of the analytic cost model, not measurements.
 
-    .venv/bin/python benchmarks/plan_scaling.py [--json OUT] [--time-limit S] [--workers N] [--seeds N]
+    .venv/bin/python benchmarks/plan_scaling.py [--json OUT] [--time-limit S] [--workers N] [--seeds N] [--moe]
+
+--moe solves the mixture-of-experts job list (``MOE_JOBS``: Qwen3-30B-A3B GRPO, expert parallelism
+in the options) instead of the dense one; without it the rows are the dense ones, unchanged.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from nereus.planner.solver.candidates import _build_tables_cached  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
 
 JOBS = {"llama-3.1-8b": ROOT / "examples/ppo-8b.yaml", "llama-3.1-70b": ROOT / "examples/ppo-70b.yaml"}
+MOE_JOBS = {"qwen3-30b-a3b": ROOT / "examples/grpo-qwen3-30b-a3b.yaml"}
 GPUS = (8, 64, 256, 1024)
 BACKENDS = ("cpsat", "pulp", "greedy")
 
@@ -101,11 +105,15 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--gpus", type=int, nargs="*", default=list(GPUS))
+    ap.add_argument("--moe", action="store_true", help="solve MOE_JOBS (expert parallelism) instead of the dense jobs")
     ap.add_argument("--seeds", type=int, default=1, help="run CP-SAT with this many seeds (0 .. N-1); the table "
                                                           "shows seed 0, the spread is printed and written")
     args = ap.parse_args()
     imports_s = import_solvers()
     print(f"solver libraries imported in {imports_s:.2f} s (once per process; not in solve_s)")
+    if args.moe:  # the mixture-of-experts rows instead of the dense ones
+        global JOBS
+        JOBS = MOE_JOBS
     rows = run(args.time_limit, args.workers, tuple(args.gpus), seeds=max(1, args.seeds))
     print_table(rows)
     spread = seed_spread(rows)

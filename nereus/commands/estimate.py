@@ -23,6 +23,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                             "ulysses_sequence_parallel_size)")
     p.add_argument("--cp", type=pos_int, default=1, help="context parallelism, ring attention (taken from dp; "
                                                             "Megatron's context_parallel_size)")
+    p.add_argument("--ep", type=pos_int, default=1, help="expert parallelism of a mixture-of-experts model (Megatron's "
+                                                            "expert_model_parallel_size; generation: 1 or tp, vLLM's "
+                                                            "--enable-expert-parallel)")
+    p.add_argument("--etp", type=pos_int, default=1, help="expert tensor parallelism (Megatron's "
+                                                             "expert_tensor_parallel_size); ep * etp divides tp * dp")
     p.add_argument("--token-budget", type=pos_int, help="tokens per micro-batch per GPU (verl's use_dynamic_bsz + "
                                                          "ppo_max_token_len_per_gpu) instead of --micro-batch")
     p.add_argument("--offload", action="store_true", help="optimizer state in host memory (out and back over PCIe "
@@ -94,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.response_len_mean or args.response_len_max:
         w = w.with_lengths(mean=args.response_len_mean, max_=args.response_len_max)
     cfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
-                         recompute=args.recompute, sp=args.sp, cp=args.cp, token_budget=args.token_budget or 0)
+                         recompute=args.recompute, sp=args.sp, cp=args.cp, token_budget=args.token_budget or 0,
+                         ep=args.ep, etp=args.etp)
     opts = StageOptions(pad_to=job.sequence.prompt_len + w.response_len_max if args.no_remove_padding else 0,
                         param_offload=args.param_offload, grad_sync=args.grad_sync,
                         grad_reduce_bytes=4 if args.grad_reduce_fp32 else 0,

@@ -72,7 +72,8 @@ class StagePlacement:
                 "time_s": self.time_s, "mem_gib": self.mem_gib, "first_gpu": self.first_gpu,
                 "micro_batch": c.micro_batch, "zero": c.zero, "recompute": c.recompute,
                 **({"sp": c.sp} if c.sp != 1 else {}), **({"cp": c.cp} if c.cp != 1 else {}),
-                **({"token_budget": c.token_budget} if c.token_budget else {})}
+                **({"token_budget": c.token_budget} if c.token_budget else {}),
+                **({"ep": c.ep, "etp": c.etp} if (c.ep, c.etp) != (1, 1) else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StagePlacement":
@@ -87,7 +88,8 @@ class StagePlacement:
             owner = f"plan: {name}"
             cfg = ParallelConfig(tp=d["tp"], pp=d["pp"], dp=d["dp"], micro_batch=d.get("micro_batch", 1),
                                  zero=d.get("zero", 1), recompute=d.get("recompute", False), sp=d.get("sp", 1),
-                                 cp=d.get("cp", 1), token_budget=d.get("token_budget", 0))
+                                 cp=d.get("cp", 1), token_budget=d.get("token_budget", 0), ep=d.get("ep", 1),
+                                 etp=d.get("etp", 1))
             return cls(name=name, config=cfg, pool=number(owner, "pool", d["pool"], whole=True),
                        first_gpu=number(owner, "first_gpu", d.get("first_gpu", 0), whole=True),
                        gpus=number(owner, "gpus", d["gpus"], whole=True),

@@ -322,9 +322,19 @@ class ParallelConfig:
     parameters are laid out as for dp, gradients reduced over all of them), and every layer passes
     its key/value chunk around the ring of cp ranks, overlapped with attention. One way of splitting
     sequences at a time: cp and sp are not both above 1."""
+    ep: int = 1
+    """Expert parallelism of a mixture-of-experts model (Megatron's ``expert_model_parallel_size``;
+    vLLM's ``--enable-expert-parallel`` in generation): each MoE block's routed experts are split
+    over ``ep`` ranks, tokens reach them by all-to-all. Megatron carves the expert layout from the
+    same ranks as the dense one: inside a pipeline stage the tp * dp ranks (cp included) are
+    regrouped as etp x ep x expert-dp, so ``ep * etp`` must divide ``tp * dp`` (Megatron-core
+    ``parallel_state``: world_size % (etp * ep * pp) == 0). 1 on a dense model."""
+    etp: int = 1
+    """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``): each routed expert's
+    GEMMs split over ``etp`` ranks; 1 keeps experts whole. See ``ep``."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch", "sp", "cp"):
+        for f in ("tp", "pp", "dp", "micro_batch", "sp", "cp", "ep", "etp"):
             _positive("parallel config", f, getattr(self, f))
         _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int):
@@ -339,13 +349,17 @@ class ParallelConfig:
                             f"are taken from the data-parallel ones)")
         if self.sp > 1 and self.cp > 1:
             raise SpecError(f"parallel config: sp({self.sp}) and cp({self.cp}) both split sequences; use one of them")
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise SpecError(f"parallel config: ep({self.ep}) * etp({self.etp}) must divide tp({self.tp}) * dp({self.dp}) "
+                            f"(Megatron regroups each pipeline stage's tp x dp ranks as etp x ep x expert-dp)")
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
     def label(self) -> str:
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}" + (f"ep{self.ep}" if self.ep > 1 else "") + \
+            (f"etp{self.etp}" if self.etp > 1 else "")
 
     @property
     def seq_split(self) -> int:
@@ -353,7 +367,12 @@ class ParallelConfig:
         return self.sp * self.cp
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field; ``ep`` and ``etp`` only when expert parallelism is on (either above 1), so a
+        dense model's config, and every plan JSON row of it, is what it was before they existed."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.ep == 1 and self.etp == 1:
+            del d["ep"], d["etp"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ParallelConfig":

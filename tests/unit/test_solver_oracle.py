@@ -21,6 +21,9 @@ that description and not from the solver's code:
 * tp in ``tps`` with the TP group inside a node, pp dividing the layers up to ``max_pp``,
   dp = pool / (tp * pp);
 * micro-batches, Ulysses degrees, ZeRO stages and recompute from the problem's ``CandidateSettings``;
+* mixture-of-experts models only (``_expert_layouts``): expert parallelism ep (powers of two
+  dividing the experts, at most 64) and expert-TP etp (1 or tp) with ep * etp dividing tp * dp
+  (Megatron's expert layout), never with ZeRO-3; generation: ep 1 or tp (vLLM), etp 1;
 * generation's KV budget: the ``kv_fractions`` of the budget on an empty GPU
   (``usable * kv_mem_util - weights - workspace``); no optimizer offload (the default).
 
@@ -126,6 +129,21 @@ def _layouts(problem: PlanProblem, role: str, size: int, cs: CandidateSettings) 
             if size % (tp * pp) == 0 and tp <= gpn and (problem.cluster.nodes == 1 or gpn % tp == 0)]
 
 
+def _expert_layouts(model, tp: int, dp: int, generation: bool) -> list[dict]:
+    """ParallelConfig keyword sets of the expert layouts (module docstring); [{}] for a dense model."""
+    if not model.experts:
+        return [{}]
+    if generation:
+        return [{}] + ([{"ep": tp}] if tp > 1 and model.experts % tp == 0 else [])
+    out = []
+    for etp in sorted({1, tp}):
+        for ep in (1, 2, 4, 8, 16, 32, 64):
+            if ep <= model.experts and model.experts % ep == 0 and (tp * dp) % (ep * etp) == 0 \
+                    and model.expert_ffn % etp == 0:
+                out.append({"ep": ep, "etp": etp})
+    return out
+
+
 def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys, cs: CandidateSettings,
              zeros: tuple[int, ...]) -> list[_Opt]:
     """Every config of ``stages`` (one decision unit) on a pool of ``size`` GPUs that fits an empty GPU."""
@@ -137,8 +155,8 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
     out: list[_Opt] = []
     for tp, pp in _layouts(problem, role, size, cs):
         dp = size // (tp * pp)
-        if stages[0] == GEN:
-            cfg = ParallelConfig(tp=tp, pp=pp, dp=dp)
+        for xl in (_expert_layouts(job.model(role), tp, dp, True) if stages[0] == GEN else ()):
+            cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, **xl)
             try:
                 base = estimate(job, cluster, GEN, cfg, w, p)
             except SpecError:  # tp the model does not accept
@@ -154,6 +172,7 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
                 durs[where[GEN]] = e.time_s
                 out.append(_Opt(size=size, config=cfg, kv_budget=full * f, durations=tuple(durs),
                                 resident=e.resident_bytes, transient=e.transient_bytes, sync=sync))
+        if stages[0] == GEN:
             continue
         try:
             estimate(job, cluster, stages[0], ParallelConfig(tp=tp, pp=pp, dp=dp), w, p)
@@ -163,10 +182,13 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
         # sequence splits: Ulysses sp (heads split too) or context parallelism cp, never both
         seq_splits = [{"sp": sp} for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
         seq_splits += [{"cp": cp} for cp in cs.cps if cp != 1 and dp % cp == 0]
-        for mb, split in ((mb, x) for mb in cs.micro_batches for x in seq_splits):
+        for mb, split, xl in ((mb, x, y) for mb in cs.micro_batches for x in seq_splits
+                              for y in _expert_layouts(job.model(role), tp, dp, False)):
             for zero in zeros:
+                if zero >= 3 and xl.get("ep", 1) * xl.get("etp", 1) > 1:
+                    continue
                 for rc in cs.recompute:
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, **split)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, **split, **xl)
                     ests = [estimate(job, cluster, ms, cfg, w, p) for ms in stages]
                     resident = ests[0].resident_bytes  # the home stage holds the model's state
                     transient = max(e.transient_bytes for e in ests)

@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import Callable
 
 from nereus.models.spec import ModelSpec
+from nereus.planner.cost import moe
 from nereus.planner.cost.comm import ar_s, group_bw, links, nodes_spanned
 from nereus.planner.cost.estimates import StageEstimate, finish
 from nereus.planner.cost.framework import engine_wake_s, host_copy_s
@@ -24,6 +25,7 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
     for a free slot, so the engine runs full until the queue drains. The step ends with the
     longest response (order statistics of the replica's sample, clipped at the cap)."""
     tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
+    moe.check(model, cfg, "generation")
     gpu = cluster.gpu
     weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     workspace = p.workspace_gib * GiB
@@ -52,7 +54,7 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
     in_flight = n * (1 + job.schedule.bound) if streaming else n
     concurrency = max(1, min(in_flight, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
-                                   concurrency, job.rollout.enforce_eager, streaming)
+                                   concurrency, job.rollout.enforce_eager, streaming, cfg.ep)
     t = {"prefill": t_prefill, **dict(acc)}
     if streaming:  # partial rollouts: at every weight sync the in-flight responses are prefilled again
         # (every running sequence, at half its response on average), once per sync_every steps
@@ -76,19 +78,20 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
 def _decode_phase(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams, engine: str, n: int,
                   P: int, mean: float, p90: float | None, cap: int, total: int,
                   concurrency: int, eager: bool = False,
-                  streaming: bool = False) -> tuple[float, tuple[tuple[str, float], ...]]:
+                  streaming: bool = False, ep: int = 1) -> tuple[float, tuple[tuple[str, float], ...]]:
     """Prefill seconds and the decode components of one replica's ``n`` sequences (of ``total``
     in the step), at most ``concurrency`` at a time, over the decode grid (points (x, sequences
     still running)). Cached: plans that differ elsewhere, or only in how much KV room they leave
     when as many sequences run at once, share it. ``eager``: no CUDA graphs, so each iteration
-    lasts at least its kernel launches (``eager_launch_s``); the excess is ``eager_launch``."""
+    lasts at least its kernel launches (``eager_launch_s``); the excess is ``eager_launch``.
+    ``ep``: the engine's expert parallelism (``decode_terms``)."""
     grid = decode_grid(n, mean, p90, cap, total=total)
     static = engine == "static"
     if static:  # every row holds its slot until the longest of the batch ends
         grid = ((0.0, float(n)), (grid[-1][0], 0.0))
     t_prefill = prefill_s(model, tp, pp, P, n, min(n, concurrency), cluster, p)
     acc = {"decode_memory": 0.0, "decode_compute": 0.0, "tp_comm": 0.0, "step_overhead": 0.0}
-    step_terms = decode_terms(model, tp, pp, cluster, p)
+    step_terms = decode_terms(model, tp, pp, cluster, p, ep)
     o0, o1 = p.engine_overhead_terms(engine)
     launch = eager_launch_s(model, p) if eager else 0.0
     if eager:
@@ -123,12 +126,18 @@ def prefill_s(model: ModelSpec, tp: int, pp: int, prompt_len: float, seqs: float
     efficiency) and reading the rank's weights once (short prompts are memory-bound), plus 2 TP
     all-reduces per layer."""
     tokens = per_forward * prompt_len
-    eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.ffn / tp)
     flops = 2 * model.matmul_params() * prompt_len * seqs
     attn = 2 * model.layers * model.heads * model.head_dim * prompt_len ** 2 * seqs
     forwards = math.ceil(seqs / max(1.0, per_forward))
     peak = tp * pp * cluster.gpu.peak_flops
-    compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
+    if model.is_moe:  # routed experts at one expert's GEMM size: all tokens, width f_e / tp (vLLM's TP experts)
+        eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.hidden / tp)
+        eff_x = p.matmul_eff(p.mfu_prefill, moe.expert_gemm_flops(model, tokens, 1, tp))
+        compute = moe.split_compute_s(model, flops, 2 * moe.routed_active_params(model) * prompt_len * seqs, tp * pp,
+                                      cluster.gpu.peak_flops, eff, eff_x)[0] + attn / (peak * p.mfu_attn)
+    else:
+        eff = p.matmul_eff(p.mfu_prefill, 2 * tokens * model.hidden * model.ffn / tp)
+        compute = flops / (peak * eff) + attn / (peak * p.mfu_attn)
     weights = forwards * pp * model.dtype_bytes * params_per_gpu(model, tp, pp) / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
     return max(compute, weights) + forwards * 2 * model.layers * ar_s(tokens * model.hidden * 2, tp, cluster, p)
 
@@ -162,10 +171,18 @@ def decode_step_s(model: ModelSpec, tp: int, pp: int, active: float, ctx: float,
 
 
 def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
-                 p: CostParams) -> Callable[[float, float], tuple[float, float, float]]:
+                 p: CostParams, ep: int = 1) -> Callable[[float, float], tuple[float, float, float]]:
     """``decode_step_s`` of one replica as a function of (active, ctx), with everything that
     depends only on the model, the layout and the parameters computed once (generation calls it
-    at every point of its decode grid)."""
+    at every point of its decode grid).
+
+    Mixture of experts: a step reads the dense weights and, of each block's experts, the share its
+    ``active / pp`` tokens route to (``moe.decode_expert_fraction``: 1 - (1 - k/E)^tokens); with
+    the engine's expert parallelism (``ep`` = tp) the busiest rank reads and computes
+    ``moe.CAPACITY_FACTOR`` times its share of the routed experts. Collectives are the dense ones:
+    vLLM's EP inside one engine still all-reduces each MoE block's output over the tp ranks."""
+    if model.is_moe:
+        return _moe_decode_terms(model, tp, pp, cluster, p, ep)
     gpu = cluster.gpu
     weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
     kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
@@ -190,6 +207,42 @@ def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
         elif one_node:  # allreduce_s inside one node, its terms computed once
             comm = n_ar * (lat + ring * act / intra)
         else:
+            comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
+                                      alpha_inter=p.inter_latency_s, bw_inter=inter)
+        if pp > 1:
+            comm += pp * p2p_s(act, bw_pp, p.p2p_latency_s)
+        return mem, cmp_, comm
+
+    return terms
+
+
+def _moe_decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, p: CostParams,
+                      ep: int) -> Callable[[float, float], tuple[float, float, float]]:
+    """``decode_terms`` of a mixture-of-experts model (see there)."""
+    gpu = cluster.gpu
+    dense_p, expert_p = moe.stage_params(model, tp, pp, tp)
+    w_dense, w_expert = model.dtype_bytes * dense_p, model.dtype_bytes * expert_p
+    load = moe.CAPACITY_FACTOR if ep > 1 else 1.0
+    kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
+    hbm = p.hbm_eff * gpu.hbm_bytes_per_s
+    n_routed = 2 * moe.routed_active_params(model)
+    n_mat, n_attn = 2 * model.matmul_params() - n_routed, 4 * model.layers * model.heads * model.head_dim
+    h, peak, shards = model.hidden, gpu.peak_flops, tp * pp
+    width_split = 1 if ep > 1 else tp  # EP keeps experts whole; vLLM's default slices each over tp
+    intra, inter = links(cluster, p)
+    nodes = nodes_spanned(cluster, tp, 1)
+    bw_pp = group_bw(cluster, tp * pp, p)
+    n_ar = 2 * model.layers
+
+    def terms(active: float, ctx: float) -> tuple[float, float, float]:
+        hit = min(1.0, load * moe.decode_expert_fraction(model, active / pp))
+        mem = (pp * (w_dense + w_expert * hit) + active * ctx * kvg) / hbm
+        eff = p.matmul_eff(p.mfu_decode, 2 * active / pp * h * h / tp)
+        eff_x = p.matmul_eff(p.mfu_decode, moe.expert_gemm_flops(model, active / pp, 1, width_split))
+        cmp_ = active * ((n_mat + n_attn * ctx) / eff + n_routed * load / eff_x) / shards / peak
+        act = active / pp * h * 2
+        comm = 0.0
+        if tp > 1 and act > 0:
             comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
                                       alpha_inter=p.inter_latency_s, bw_inter=inter)
         if pp > 1:

@@ -12,9 +12,16 @@ GiB = 1024**3
 
 
 # ---- sizes -------------------------------------------------------------------------------------
-def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm") -> float:
+def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm", expert_shards: int | None = None) -> float:
     """Parameters held by one GPU of the most loaded pipeline stage (KV projections replicate
-    when tp exceeds kv_heads; the embedding sits on the first stage, the LM head on the last)."""
+    when tp exceeds kv_heads; the embedding sits on the first stage, the LM head on the last).
+    A mixture-of-experts (or latent-attention) model is counted block by block, every expert
+    included, its routed experts spread over ``expert_shards`` ranks (default tp: a rollout
+    engine's layout; training passes ep * etp): ``moe.stage_params``."""
+    if model.is_moe or model.is_mla:
+        from nereus.planner.cost.moe import stage_params
+
+        return sum(stage_params(model, tp, pp, tp if expert_shards is None else expert_shards, head))
     h, d = model.hidden, model.head_dim
     kv_split = min(tp, model.kv_heads)
     per_layer = (2 * h * model.q_dim) / tp + (2 * h * model.kv_dim) / kv_split + 3 * h * model.ffn / tp + 2 * h
@@ -48,7 +55,11 @@ def model_state_bytes(psi: float, dp: int, zero: int, dtype_bytes: int = 2) -> d
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
-    """2 * (L/pp) * g * d * bytes / min(tp, g): KV heads replicate when tp > g."""
+    """2 * (L/pp) * g * d * bytes / min(tp, g): KV heads replicate when tp > g. Multi-head latent
+    attention caches (L/pp) * (kv_lora_rank + qk_rope_head_dim) * bytes, the same on every TP rank
+    (``ModelSpec.kv_bytes_per_token``)."""
+    if model.is_mla:
+        return math.ceil(model.layers / pp) * model.kv_latent_dim * model.dtype_bytes
     return 2 * math.ceil(model.layers / pp) * model.kv_dim * model.dtype_bytes / min(tp, model.kv_heads)
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec
+from nereus.planner.cost import moe
 from nereus.planner.cost.comm import TP_EDGE_COLLECTIVES, a2a_s, ag_s, ar_s, group_bw, ring_kv_exposed_s
 from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, finish, trainable
 from nereus.planner.cost.framework import fsdp_cpu_floor_s, optimizer_offload_s, param_offload_s
@@ -95,6 +97,7 @@ def logprob_vocab_s(tokens: float, vocab: int, cfg: ParallelConfig, cluster: Clu
 def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
               w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, dp, sp, split = cfg.tp, cfg.pp, cfg.dp, cfg.sp, cfg.seq_split
+    moe.check(model, cfg, "training")
     E, M = job.batch.ppo_epochs, job.batch.mini_batches
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
@@ -107,8 +110,15 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
     tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if job.sequence.padded else (padded_tokens(w, o.pad_to), s_sq)
     attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
     flops = n_factor * model.matmul_params() * tokens * E
-    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / split * h * model.ffn / tp)
-    if o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
+    eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / split * h * (h if model.is_moe else model.ffn) / tp)
+    if model.is_moe:  # the routed experts at their own (smaller) GEMM's efficiency
+        if o.fp8_linear:
+            raise SpecError(f"fp8_linear on {model.name}: FP8 training of mixture-of-experts models is not modelled")
+        routed = n_factor * moe.routed_active_params(model) * tokens * E
+        eff_x = p.matmul_eff(p.mfu_train, moe.expert_gemm_flops(model, mb_tokens / split / tp, cfg.ep * cfg.etp,
+                                                                 cfg.etp))
+        compute, expert_s = moe.split_compute_s(model, flops, routed, cfg.gpus, gpu.peak_flops, eff, eff_x)
+    elif o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
         layer_flops = n_factor * L * model.layer_params() * tokens * E
         compute = ((flops - layer_flops) / (cfg.gpus * gpu.peak_flops * eff)
                    + fp8_linear_s(model, layer_flops, tokens * E, cfg, mb_tokens, gpu, p))
@@ -122,20 +132,36 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
     act_bytes = mb_tokens / split * h * 2
     n_ar = 6 if cfg.recompute else 4
     t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * ar_s(act_bytes, tp, cluster, p)
+    if model.is_moe and cfg.etp == 1:  # whole experts: the MoE blocks' MLP collectives become the all-to-all
+        t["tp_comm"] -= n_micro * moe.moe_layers_per_stage(model, pp) * n_ar / 2 * ar_s(act_bytes, tp, cluster, p)
     t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * a2a_s(act_bytes / tp, sp, cluster, p, tp)
     if cfg.cp > 1:  # forward, backward (keys/values again and their gradients back), forward again when recomputing
         t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, n_micro, 4 if cfg.recompute else 3, attn_s, cluster, p)
     t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)
-    psi = params_per_gpu(model, tp, pp, head)
+    if model.is_moe:  # all-to-all dispatch + combine per MoE block, forward and backward; the busiest EP rank
+        dense, expert = moe.stage_params(model, tp, pp, cfg.ep * cfg.etp, head)
+        psi = dense + expert
+        t["ep_comm"] = n_micro * moe.moe_layers_per_stage(model, pp) * (6 if cfg.recompute else 4) * \
+            moe.ep_a2a_s(model, cfg, mb_tokens / split / tp, cluster, p)
+        t["moe_imbalance"] = (moe.imbalance(cfg) - 1) * expert_s
+    else:
+        psi = params_per_gpu(model, tp, pp, head)
     # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
     syncs = n_micro if o.grad_sync == "micro_batch" else E * M
     grad_bytes = psi * (o.grad_reduce_bytes or model.dtype_bytes)
-    if cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
+    if model.is_moe and cfg.zero < 3:  # dense grads over dp, the experts' over expert-dp (ep * etp apart)
+        gb = o.grad_reduce_bytes or model.dtype_bytes
+        edp = moe.expert_dp(cfg)
+        t["dp_grad_sync"] = syncs * (ar_s(dense * gb, dp, cluster, p, tp * pp)
+                                     + ar_s(expert * gb, edp, cluster, p, cfg.ep * cfg.etp))
+    elif cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
         t["fsdp_gather"] = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
         t["dp_grad_sync"] = syncs * ag_s(grad_bytes, dp, cluster, p, tp * pp)
     else:
         t["dp_grad_sync"] = syncs * ar_s(grad_bytes, dp, cluster, p, tp * pp)
     opt_share = psi / dp if cfg.zero >= 1 else psi
+    if model.is_moe and cfg.zero >= 1:
+        opt_share = dense / dp + expert / moe.expert_dp(cfg)
     t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
     if head == "lm":
         t["logprob_vocab"] = logprob_vocab_s(tokens * E, model.vocab, cfg, cluster, p, training=True)
@@ -152,8 +178,13 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
         t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * math.ceil(L / pp) / L
                          + E * M * p.optimizer_step_overhead_s)
     # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
-    resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
-    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
+    if model.is_moe:
+        resident = moe.model_states(dense, expert, cfg, cfg.zero, model.dtype_bytes)
+        act_ffn = moe.act_ffn(model, moe.imbalance(cfg))
+    else:
+        resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
+        act_ffn = model.ffn
+    act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     in_flight = min(pp, m)
     layers_here = math.ceil(L / pp)
     tok = mb_worst / split
@@ -200,16 +231,24 @@ def fp8_linear_s(model: ModelSpec, layer_flops: float, tokens: float, cfg: Paral
 def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
                p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
     tp, pp, sp, split = cfg.tp, cfg.pp, cfg.sp, cfg.seq_split
+    moe.check(model, cfg, "inference")
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
     tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if padded else (padded_tokens(w, o.pad_to), s_sq)
     attn = 2 * L * model.heads * model.head_dim * w.sequences * s_sq
     flops = 2 * model.matmul_params() * tokens
-    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / split * h * model.ffn / tp)
+    eff = p.matmul_eff(p.mfu_prefill, 2 * mb_tokens / split * h * (h if model.is_moe else model.ffn) / tp)
     peak = cfg.gpus * cluster.gpu.peak_flops
     attn_s = attn / (peak * p.mfu_attn)
-    compute = flops / (peak * eff) + attn_s
+    if model.is_moe:  # the routed experts at their own (smaller) GEMM's efficiency
+        eff_x = p.matmul_eff(p.mfu_prefill, moe.expert_gemm_flops(model, mb_tokens / split / tp, cfg.ep * cfg.etp,
+                                                                   cfg.etp))
+        compute, expert_s = moe.split_compute_s(model, flops, 2 * moe.routed_active_params(model) * tokens, cfg.gpus,
+                                                cluster.gpu.peak_flops, eff, eff_x)
+        compute += attn_s
+    else:
+        compute = flops / (peak * eff) + attn_s
     act_bytes = mb_tokens / split * h * 2
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
          "tp_comm": m * (math.ceil(L / pp) * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
@@ -219,7 +258,11 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
         t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, m, 1, attn_s, cluster, p)
     if head == "lm":
         t["logprob_vocab"] = logprob_vocab_s(tokens, model.vocab, cfg, cluster, p, training=False)
-    psi = params_per_gpu(model, tp, pp, head)
+    if model.is_moe:  # dispatch + combine per MoE block; the busiest EP rank sets the experts' time
+        t["ep_comm"] = m * moe.moe_layers_per_stage(model, pp) * 2 * moe.ep_a2a_s(model, cfg, mb_tokens / split / tp,
+                                                                               cluster, p)
+        t["moe_imbalance"] = (moe.imbalance(cfg) - 1) * expert_s
+    psi = params_per_gpu(model, tp, pp, head, cfg.ep * cfg.etp)
     if cfg.zero >= 3:  # FSDP: every micro-batch's forward all-gathers the parameters again (resharded after it)
         t["fsdp_gather"] = m * ag_s(psi * 2, cfg.dp, cluster, p, tp * pp)
     if o.param_offload != "none":
@@ -232,7 +275,8 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
         t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
     resident = {"weights": model.dtype_bytes * psi}
     vocab_out = model.vocab / tp if head == "lm" else 1
-    act_tok_layer = p.act_bytes_per_token(h, model.ffn, model.kv_dim, tp, model.dtype_bytes)
+    act_ffn = moe.act_ffn(model, moe.imbalance(cfg)) if model.is_moe else model.ffn
+    act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / split
     transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
                  "workspace": p.workspace_gib * GiB}

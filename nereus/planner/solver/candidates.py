@@ -147,6 +147,30 @@ def layouts(problem: PlanProblem, unit: Unit, size: int) -> list[tuple[int, int]
     return [x for x in out if pin is None or x == pin]
 
 
+MAX_EP = 64
+"""Largest expert-parallel degree the option tables try (DeepSeek-V3 trains at EP 64, Fedus et al.'s
+and Megatron's published runs stay at or below it); more only adds all-to-all across nodes."""
+
+
+def expert_layouts(model, tp: int, dp: int, stage: str) -> list[tuple[int, int]]:
+    """(ep, etp) pairs of a model-stage: (1, 1) for a dense model. Generation (vLLM): ep in {1, tp},
+    etp 1. Training and inference (Megatron): ep a power of two dividing the experts, at most
+    ``MAX_EP``; etp 1 or tp; ep * etp dividing tp * dp (Megatron's expert layout over a stage's
+    tp x dp ranks)."""
+    if not model.is_moe:
+        return [(1, 1)]
+    if stage == "generation":
+        return [(1, 1)] + ([(tp, 1)] if tp > 1 and model.experts % tp == 0 else [])
+    eps, e = [], 1
+    while e <= min(model.experts, MAX_EP):
+        if model.experts % e == 0:
+            eps.append(e)
+        e *= 2
+    etps = sorted({1, tp})
+    return [(ep, etp) for etp in etps for ep in eps
+            if (tp * dp) % (ep * etp) == 0 and model.expert_ffn % etp == 0]
+
+
 UNIT_FACTORS = (("generation", 1.0), ("inference", 1.0), ("training", 1.0))
 ESTIMATE_CACHE_MAX = 150_000
 _estimates: dict[tuple, object] = {}
@@ -207,16 +231,21 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
         dp = size // (tp * pp)
         # a micro-batch larger than a DP rank's share only adds activation memory
         mbs = [mb for mb in cs.micro_batches if mb == min(cs.micro_batches) or mb <= per_rank / dp]
-        heads = j.model(unit.stages[0].split("/")[0]).heads
+        model = j.model(unit.stages[0].split("/")[0])
+        heads = model.heads
         splits = [(sp, 1) for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
         splits += [(1, cp) for cp in cs.cps if cp > 1 and dp % cp == 0]
-        for mb, (sp, cp) in ((mb, x) for mb in mbs for x in splits):
+        experts = expert_layouts(model, tp, dp, "training")
+        for mb, (sp, cp), (ep, etp) in ((mb, x, y) for mb in mbs for x in splits for y in experts):
             for zero in (cs.zeros if trainable else (1,)):
+                if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
+                    continue
                 for rc in (cs.recompute if trainable else (False,)):
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp, cp=cp)
+                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp, cp=cp,
+                                         **({"ep": ep, "etp": etp} if model.is_moe else {}))
                     ests = [est(unit.stages[0], cfg)]
                     if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
-                        key = (tp, pp, mb, sp, cp, zero >= 3)
+                        key = (tp, pp, mb, sp, cp, zero >= 3, ep, etp)
                         if key not in infer_cache:
                             infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])
@@ -256,8 +285,9 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
     est = _Estimator(problem)
     model = j.model("actor")
     out: list[Option] = []
-    for tp, pp in layouts(problem, unit, size):
-        cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp))
+    for tp, pp, ep in ((tp, pp, ep) for tp, pp in layouts(problem, unit, size)
+                       for ep, _ in expert_layouts(model, tp, size // (tp * pp), "generation")):
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp), **({"ep": ep} if ep > 1 else {}))
         base = est(GEN, cfg)
         full = c.gpu.usable_bytes * engine_memory_util(j, p) - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
         demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf

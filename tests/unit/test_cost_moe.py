@@ -1,0 +1,203 @@
+"""Cost and memory of mixture-of-experts models with expert parallelism (issue 30, item 2), and
+dense estimates unchanged by it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import pytest
+
+from nereus.errors import SpecError
+from nereus.models.spec import ModelSpec, from_hf_dict, preset
+from nereus.planner.cost import moe
+from nereus.planner.cost.estimates import StageOptions
+from nereus.planner.cost.generation import decode_terms
+from nereus.planner.cost.memory import GiB, kv_bytes_per_token_per_gpu, params_per_gpu
+from nereus.planner.cost.model import estimate
+from nereus.planner.cost.params import CostParams
+from nereus.planner.plan import StagePlacement
+from nereus.planner.specs import ParallelConfig, load_cluster, load_job
+
+from test_models_moe import QWEN3_30B_A3B
+
+C1, C4 = "examples/cluster-h100-1n.yaml", "examples/cluster-h100-4n.yaml"
+JOB = "examples/grpo-qwen3-30b-a3b.yaml"
+
+# captured on main before expert parallelism existed (commit 7b98795): time_s, mem_bytes and a hash of
+# the whole estimate JSON of dense model-stages
+DENSE_CASES = [
+    ("ppo-8b", C1, "actor/generation", {"tp": 1, "dp": 8}, 100.79318631091118, 44931176060.09477, "e17b874857df0bd3"),
+    ("ppo-8b", C1, "actor/generation", {"tp": 4, "pp": 2, "dp": 1}, 161.621546192156, 10030738847.023693, "dfdad3840dc70716"),
+    ("ppo-8b", C1, "actor/training", {"tp": 2, "dp": 4, "micro_batch": 2}, 45.75826158000778, 65683615744.0, "b6409185eb85cfcc"),
+    ("ppo-8b", C1, "actor/training", {"tp": 1, "dp": 8, "zero": 3, "recompute": True, "sp": 2}, 79.59157099497968,
+     23778041856.0, "0123c1b2a2ae6cb7"),
+    ("ppo-8b", C1, "critic/inference", {"tp": 2, "pp": 2, "dp": 2}, 12.245218240200881, 5796827136.0, "642fc1bb34591967"),
+    ("ppo-8b", C1, "ref/inference", {"tp": 1, "dp": 8, "zero": 3}, 16.161756272338273, 23277871104.0, "bb33068b3ddb5e50"),
+    ("ppo-70b", C4, "actor/training", {"tp": 8, "pp": 4, "dp": 1, "recompute": True}, 323.0785033013246, 40447115264.0,
+     "31a1ffa4bb5368a7"),
+    ("ppo-70b", C4, "actor/generation", {"tp": 8, "pp": 1, "dp": 4}, 231.30352469742047, 36087546381.559235,
+     "a15d49e7c319b927"),
+    ("grpo-32b", C4, "actor/training", {"tp": 4, "pp": 2, "dp": 4, "cp": 2, "token_budget": 8192}, 104.40966665585171,
+     66192387072.0, "49e6f49cca619db4"),
+    ("grpo-7b", C1, "actor/inference", {"tp": 1, "dp": 8, "micro_batch": 4}, 3.3974528714309407, 24755186688.0,
+     "f79728e784af1e4b"),
+    ("grpo-7b", C1, "actor/generation", {"tp": 2, "dp": 4}, 27.637299028776884, 12522560974.085579, "7328733bfdba7342"),
+]
+
+
+def _digest(e) -> str:
+    return hashlib.sha256(json.dumps(e.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("job,cluster,ms,cfg,time_s,mem,digest", DENSE_CASES)
+def test_dense_estimates_identical_to_before_expert_parallelism(job, cluster, ms, cfg, time_s, mem, digest):
+    e = estimate(load_job(f"examples/{job}.yaml"), load_cluster(cluster), ms, ParallelConfig(**cfg))
+    assert (e.time_s, e.mem_bytes, _digest(e)) == (time_s, mem, digest)
+
+
+def test_dense_estimate_with_framework_options_identical():
+    e = estimate(load_job("examples/ppo-8b.yaml"), load_cluster(C1), "actor/training", ParallelConfig(tp=2, dp=4),
+                 options=StageOptions(fp8_linear=True, pad_to=4096, param_offload="per_call", optimizer_offload=True))
+    assert (e.time_s, e.mem_bytes, _digest(e)) == (52.78973318248092, 41348263936.0, "92423fef1e06a49a")
+
+
+# ---- ParallelConfig --------------------------------------------------------------------------
+def test_parallel_config_expert_fields_default_and_json():
+    c = ParallelConfig(tp=2, dp=4)
+    assert "ep" not in c.to_dict() and "etp" not in c.to_dict() and c.label() == "tp2pp1dp4"
+    e = ParallelConfig(tp=2, dp=4, ep=8)
+    assert e.to_dict()["ep"] == 8 and e.to_dict()["etp"] == 1 and e.label() == "tp2pp1dp4ep8"
+    assert ParallelConfig.from_dict(e.to_dict()) == e
+    assert ParallelConfig(tp=4, dp=2, ep=2, etp=4).label() == "tp4pp1dp2ep2etp4"
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, dp=2, ep=8), dict(tp=4, dp=2, ep=4, etp=4), dict(tp=1, dp=6, ep=4)])
+def test_parallel_config_refuses_ep_etp_not_dividing_tp_dp(kw):
+    with pytest.raises(SpecError, match=r"ep\(\d+\) \* etp\(\d+\) must divide tp"):
+        ParallelConfig(**kw)
+
+
+def test_plan_row_carries_ep_etp_and_round_trips():
+    s = StagePlacement(name="actor/training", config=ParallelConfig(tp=2, pp=2, dp=8, ep=8), pool=0, first_gpu=0,
+                       gpus=32)
+    d = s.to_dict()
+    assert (d["ep"], d["etp"]) == (8, 1)
+    assert StagePlacement.from_dict(d).config == s.config
+    dense = StagePlacement(name="actor/training", config=ParallelConfig(tp=2, dp=4), pool=0, first_gpu=0, gpus=8)
+    assert "ep" not in dense.to_dict() and "etp" not in dense.to_dict()
+
+
+def test_dense_model_refuses_expert_parallelism():
+    job = load_job("examples/ppo-8b.yaml")
+    for ms in ("actor/training", "ref/inference", "actor/generation"):
+        with pytest.raises(SpecError, match="dense model"):
+            estimate(job, load_cluster(C1), ms, ParallelConfig(tp=2, dp=4, ep=2))
+
+
+def test_moe_layout_rules():
+    job, c = load_job(JOB), load_cluster(C4)
+    with pytest.raises(SpecError, match="ep\\(3\\) must divide the 128 experts"):
+        estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=6, ep=3))
+    with pytest.raises(SpecError, match="ZeRO-3"):
+        estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32, ep=8, zero=3))
+    with pytest.raises(SpecError, match="ep is 1 or tp"):
+        estimate(job, c, "actor/generation", ParallelConfig(tp=2, dp=16, ep=8))
+
+
+# ---- memory: every expert counted -------------------------------------------------------------
+def test_qwen3_30b_a3b_from_hf_config_weights_of_a_tp1_replica():
+    m = from_hf_dict(QWEN3_30B_A3B, "qwen3-30b-a3b")
+    assert m.num_params() / 1e9 == pytest.approx(30.5, rel=0.02)
+    assert m.active_params() / 1e9 == pytest.approx(3.3, rel=0.02)
+    assert params_per_gpu(m, 1, 1) == m.num_params()  # all experts, not a 3B dense model (6.2 GiB)
+    e = estimate(load_job(JOB), load_cluster(C4), "actor/generation", ParallelConfig(tp=1, dp=32))
+    assert e.mem_breakdown["weights"] == 2 * m.num_params()
+    assert e.mem_breakdown["weights"] / GiB == pytest.approx(56.87, abs=0.01)
+
+
+def test_training_memory_shards_experts_by_ep_etp_and_dense_by_tp():
+    m, job, c = preset("qwen3-30b-a3b"), load_job(JOB), load_cluster(C4)
+    expert = m.expert_params()
+    dense = m.num_params() - expert
+    for kw, shards in ((dict(tp=1, dp=32), 1), (dict(tp=1, dp=32, ep=8), 8), (dict(tp=2, dp=16, ep=4, etp=2), 8),
+                       (dict(tp=2, dp=16, ep=1, etp=2), 2)):
+        cfg = ParallelConfig(**kw)
+        e = estimate(job, c, "actor/training", cfg)
+        d, x = moe.stage_params(m, cfg.tp, 1, shards)
+        assert x == pytest.approx(expert / shards)
+        assert d == pytest.approx(dense / cfg.tp, rel=0.01)  # KV projections replicate a little at tp 2 > ...
+        assert e.mem_breakdown["weights"] == pytest.approx(2 * (d + x))
+        edp = cfg.tp * cfg.dp // (cfg.ep * cfg.etp)
+        assert e.mem_breakdown["optimizer"] == pytest.approx(12 * (d / cfg.dp + x / edp))
+    # ep = etp = 1 keeps every expert on every rank: 30.5B of bf16 weights and grads do not fit
+    e = estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32))
+    assert e.mem_breakdown["weights"] == 2 * m.num_params() and not e.fits
+
+
+def test_pipeline_stage_holds_its_blocks_experts():
+    m = preset("deepseek-v3")  # blocks 0-2 dense, the rest MoE
+    d1, x1 = moe.stage_params(m, 1, 1, 1)
+    assert d1 + x1 == pytest.approx(m.num_params())
+    d, x = moe.stage_params(m, 1, 61, 1)  # one block per stage: the busiest is a MoE block
+    assert x == m.experts * m.one_expert_params()
+
+
+def test_mla_kv_cache_not_divided_by_tp():
+    m = preset("deepseek-v3")
+    assert kv_bytes_per_token_per_gpu(m, 8, 1) == kv_bytes_per_token_per_gpu(m, 1, 1) == m.kv_bytes_per_token()
+    q = preset("qwen3-30b-a3b")
+    assert kv_bytes_per_token_per_gpu(q, 4, 1) == q.kv_bytes_per_token() / 4
+
+
+# ---- time ----------------------------------------------------------------------------------------
+def test_flops_follow_active_parameters():
+    job, c = load_job(JOB), load_cluster(C4)
+    e = estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32, ep=8))
+    m = preset("qwen3-30b-a3b")
+    assert m.matmul_params() < 0.12 * m.num_params()
+    assert e.time_breakdown["compute"] < 30  # a 30B dense model's 6N would take ~9x longer
+
+
+def test_all_to_all_per_moe_layer_only_with_ep_and_across_nodes_costlier():
+    job, c, p = load_job(JOB), load_cluster(C4), CostParams()
+    base = estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32, ep=1, etp=1), params=p)
+    ep8 = estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32, ep=8), params=p)
+    ep16 = estimate(job, c, "actor/training", ParallelConfig(tp=1, dp=32, ep=16), params=p)
+    assert base.time_breakdown["ep_comm"] == 0 and base.time_breakdown["moe_imbalance"] == 0
+    assert ep8.time_breakdown["ep_comm"] > 0
+    assert ep8.time_breakdown["moe_imbalance"] > 0
+    assert ep16.time_breakdown["ep_comm"] > 3 * ep8.time_breakdown["ep_comm"]  # 16 ranks span two nodes
+    # one dispatch: tokens x k x h x bytes, the busiest rank's share, over the EP group
+    m, cfg = preset("qwen3-30b-a3b"), ParallelConfig(tp=1, dp=8, ep=8)
+    from nereus.planner.cost.params import alltoall_s
+    from nereus.planner.cost.comm import group_bw
+    want = alltoall_s(1000 * 8 * 2048 * 2 * moe.CAPACITY_FACTOR, 8, group_bw(c, 8, p), p.allreduce_latency_s)
+    assert moe.ep_a2a_s(m, cfg, 1000, c, p) == want
+
+
+def test_decode_reads_only_the_experts_its_tokens_hit():
+    m = preset("qwen3-30b-a3b")
+    assert moe.expected_distinct_experts(m, 1) == pytest.approx(8)
+    assert moe.expected_distinct_experts(m, 10**6) == pytest.approx(128)
+    assert moe.expected_distinct_experts(m, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
+    c, p = load_cluster(C1), CostParams()
+    terms = decode_terms(m, 1, 1, c, p)
+    mem1, _, _ = terms(1, 0)
+    mem256, _, _ = terms(256, 0)
+    hbm = p.hbm_eff * c.gpu.hbm_bytes_per_s
+    d, x = moe.stage_params(m, 1, 1, 1)
+    assert mem1 == pytest.approx(2 * (d + x * 8 / 128) / hbm)
+    assert mem256 == pytest.approx(2 * (d + x * (1 - (1 - 1 / 16) ** 256)) / hbm)
+    # vLLM expert parallelism: the busiest rank reads and computes more
+    e1 = estimate(load_job(JOB), load_cluster(C4), "actor/generation", ParallelConfig(tp=4, dp=8))
+    e4 = estimate(load_job(JOB), load_cluster(C4), "actor/generation", ParallelConfig(tp=4, dp=8, ep=4))
+    assert e1.mem_breakdown["weights"] == e4.mem_breakdown["weights"]
+    assert e1.time_s != e4.time_s
+
+
+def test_whole_experts_drop_the_moe_blocks_mlp_tp_collectives():
+    job, c = load_job(JOB), load_cluster(C4)
+    etp = estimate(job, c, "actor/training", ParallelConfig(tp=2, dp=16, ep=1, etp=2))
+    whole = estimate(job, c, "actor/training", ParallelConfig(tp=2, dp=16, ep=8))
+    assert whole.time_breakdown["tp_comm"] == pytest.approx(etp.time_breakdown["tp_comm"] / 2)
