@@ -110,8 +110,8 @@ def test_a_memory_underestimate_on_a_small_device_reserves_about_the_underestima
     ctl.step(StepMetrics(step=0, response_len_mean=w.response_len_mean, response_len_max=w.response_len_max,
                          stage_times={s.name: 0.1 for s in ctl.plan.stages}, peak_mem_gib=peak + under))
     q = usable / 64
-    assert under <= ctl.calibration.reserve_gib <= under + q + 1e-12, (ctl.calibration.reserve_gib, usable)
-    assert ctl.calibration.reserve_gib < 0.1 * usable
+    assert under <= ctl.memory.common_gib <= under + q + 1e-12, (ctl.memory.common_gib, usable)
+    assert ctl.memory.common_gib < 0.1 * usable
 
 
 def test_a_decision_says_why_what_it_cost_to_decide_and_whether_it_re_solved(env):

@@ -54,11 +54,11 @@ class AdmissionRules:
             return self._switch(m, cur, best, must, "always: best plan for next step")
         if must:
             if not feasible:
-                return self._stay(cur, None, must, "no feasible plan found for next step", feasible=False)
+                return self._fall_back(m, cur, cands, must)
             best = min(feasible, key=lambda c: c.net_s)
             return self._switch(m, cur, best, must, f"must switch: {must}; lowest transition + horizon time")
         if not feasible:
-            return self._stay(cur, None, "", "no alternative plan")
+            return self._stay(cur, None, "", f"no alternative plan predicted to fit next step ({self._note})")
         best = min(feasible, key=lambda c: c.net_s)
         if not math.isfinite(best.net_s):  # every alternative fails later in the horizon, or its cost is unknown
             self._streak = ((), 0)
@@ -70,7 +70,7 @@ class AdmissionRules:
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"no alternative is faster over the horizon (the best is {-saving:.1f}s "
                                              f"slower than the current {cur.horizon_s:.0f}s)")
-        if saving <= self.min_gain * cur.horizon_s and best.cost_s > 0:
+        if saving <= self.min_gain * cur.horizon_s:  # knob-only switches too: the gain is the model's word alone
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is below {self.min_gain:.0%} of "
                                              f"{cur.horizon_s:.0f}s (within model error)")
@@ -83,6 +83,22 @@ class AdmissionRules:
             return held
         return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
                                               f"x (1 + {self.margin:g})")
+
+    def _fall_back(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str) -> Decision:
+        """Nothing is predicted to fit next step: run the most frugal plan at hand (``_fallback`` in
+        ``library.py``) rather than the plan marked out; stay only where that is the current plan.
+        Either way the decision says so and is ``feasible`` False: the model does not expect it to fit."""
+        fb = next((c for c in cands if not math.isnan(c.spare_gib)), None)
+        if fb is None:
+            return self._stay(cur, None, must, f"must switch ({must}), but no plan at hand can run next step "
+                                               f"({self._note})", feasible=False)
+        why = (f"{must}; nothing is predicted to fit next step ({self._note}), so falling back to the most frugal "
+               f"plan at hand (ZeRO-3, recomputation, micro-batch 1, TP raised where the rule allows): "
+               f"{fb.spare_gib:+.1f} GiB to spare on its tightest model-stage by the reserves")
+        if fb.plan.key() == self.plan.key():
+            return self._stay(cur, None, must, f"{why}; that is the current plan, which stays (the reserves decay "
+                                               f"as it runs within them)", feasible=False)
+        return replace(self._switch(m, cur, fb, must, why), feasible=False)
 
     def _hysteresis(self, m: StepMetrics, cur: Candidate, best: Candidate, regime_change: bool) -> Decision | None:
         """A worthwhile switch that costs time waits for ``min_dwell`` steps after the last one and
@@ -206,6 +222,8 @@ class AdmissionRules:
         self._streak = ((), 0)
         self._prev_plan = self.plan  # report_rollback returns to it
         self.plan = best.plan
+        if best.plan.key() not in self._library:
+            self._add(best.plan, best.origin)
         return d
 
 

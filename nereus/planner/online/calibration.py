@@ -22,8 +22,7 @@ Transitions: measured seconds against the planner's prediction, as ``factor x pr
 (the fixed part is what a layout change the bandwidth bound calls free really costs, e.g. starting
 an inference engine with a new TP).
 
-Memory: ``reserve_gib``, extra memory per GPU kept back from what the model calls usable, raised when
-the observed peak exceeds the predicted one or a step runs out of memory.
+Memory is judged apart, by the reserves of ``reserve.py``.
 """
 from __future__ import annotations
 
@@ -86,7 +85,6 @@ class OnlineCalibration:
         self._shape_dirty: set[str] = set()
         self.transition_pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._committed: dict[str, int] = {}
-        self.reserve_gib = 0.0
 
     # ---- stage times ------------------------------------------------------------------------------
     def update(self, model_stage: str, observed_s: float, predicted_s: float, config: Hashable = None,
@@ -210,27 +208,7 @@ class OnlineCalibration:
         k, fixed = self.transition_model()
         return k * predicted_s + fixed
 
-    # ---- memory ---------------------------------------------------------------------------------
-    def update_memory(self, observed_gib: float | None, predicted_gib: float | None, *, oom: bool = False,
-                      memory_gib: float = 0.0, step_gib: float = 1.0) -> bool:
-        """Raise ``reserve_gib`` when the model underestimates memory; True when it changed.
-        ``memory_gib``: what the model calls usable without the reserve. A step that ran: the reserve
-        covers observed - predicted peak. An OOM: the reserve makes the failed plan's predicted peak
-        (``predicted_gib``) exceed what is usable, so the planner stops offering it and its like."""
-        need = self.reserve_gib
-        if oom and predicted_gib is not None and memory_gib > 0:
-            if predicted_gib > memory_gib - self.reserve_gib:
-                return False  # already judged out of memory: run for want of another plan, nothing to learn
-            need = memory_gib - predicted_gib + step_gib
-        elif observed_gib is not None and predicted_gib is not None and observed_gib > predicted_gib:
-            need = max(need, observed_gib - predicted_gib)
-        need = min(math.ceil(need / step_gib) * step_gib, 0.75 * memory_gib if memory_gib else need)
-        if need > self.reserve_gib + 1e-9:
-            self.reserve_gib = need
-            return True
-        return False
-
     def to_dict(self) -> Mapping[str, object]:
         k, fixed = self.transition_model()
         return {"model_stage": self.factors(), "stage": self.stage_factors(), "transition": k,
-                "transition_fixed_s": fixed, "reserve_gib": self.reserve_gib}
+                "transition_fixed_s": fixed}

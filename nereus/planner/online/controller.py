@@ -21,9 +21,11 @@ step with what it measured; the answer applies to the next step. Per step:
    learn that the model's *ranking* of configs is wrong (at most ``max_probes`` per GPU count);
 6. log every decision with its numbers (``audit.py``).
 
-Memory: a plan that ran is judged by its own measured underestimate (and a plan that ran at the
-forecast cap and length is feasible, whatever the model says); a plan never run by the reserve
-calibration learned; a plan that ran out of memory is out.
+Memory (``reserve.py``): a plan that ran, and never ran out of memory, is judged by its own measured
+underestimate (and a plan that ran at the forecast cap and length is feasible, whatever the model
+says); any other plan by reserves learned in common and per model-stage, which an OOM raises and
+which decay as plans run within them, so a plan an OOM condemned can come back. When nothing is
+predicted to fit, the controller falls back to the most frugal plan at hand (``library.py``).
 
 Candidates come from the plan solver for the forecast workload, cached by workload bucket
 (log-spaced response-length buckets, GPU count, cap, quantized calibration, the memory reserve on a
@@ -59,7 +61,7 @@ from nereus.planner.online.library import (
     trapezoid,
 )
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache
-from nereus.planner.online.reserve import MemoryReserve
+from nereus.planner.online.reserve import MemoryReserve, MemoryReserves
 from nereus.planner.online.restart import Emitter, RestartCost, RestartMode
 from nereus.planner.online.types import Decision, StepMetrics
 from nereus.planner.plan import GiB, Plan
@@ -105,6 +107,10 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self.cost_queries = cost_queries
         """Candidates (the fastest over the horizon) whose transition cost is asked each step."""
         self._library: dict[tuple, tuple[Plan, str]] = {}
+        self._pinned: set[tuple] = set()
+        """Library plans never evicted: the fastest per generation TP (the current plan never is either)."""
+        self._note = ""
+        """What the library held at the last scoring (for stay reasons)."""
         self.build_transition = build_transition
         self._transition_cost_fn = transition_cost_fn
         self.plans = plans or PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed)
@@ -123,8 +129,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._streak: tuple[tuple, int] = ((), 0)
         self._last_switch = -10**9
         self._last_cost_raw = 0.0
-        self._reserve = 0.0
-        self._plan_reserve: dict[tuple, float] = {}
+        self.memory = MemoryReserves(cluster.gpu.usable_bytes / GiB, self._mem_quantum())
+        """Memory reserves per plan, per model-stage and in common, decaying (``reserve.py``)."""
         self._keys: dict[int, tuple] = {}
         self._ran_ok: dict[tuple, tuple[int, float]] = {}
         """Per plan run without OOM: (cap, largest mean response length) it ran at."""
@@ -186,6 +192,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         if prev is None:
             raise NereusError("controller: report_rollback without a switch to roll back")
         failed, self.plan, self._prev_plan = self.plan, prev, None
+        if prev.key() not in self._library:  # the library always holds the current plan
+            self._add(prev, "rollback")
         self._on_plan = 0
         self._streak = ((), 0)
         self.audit.record({"step": step, "decision": "rollback", "reason": reason, "plan": layout(prev),
@@ -244,25 +252,19 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         w = replace(w, response_len_mean=mean, response_len_max=mx,
                     response_len_p90=None if w.response_len_p90 is None else min(self._bucket(w.response_len_p90), mx))
         pred = self._times(self.plan, w)
-        peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
-        usable = self.cluster.gpu.usable_bytes / GiB
         key = self.plan.key()
-        q = self._mem_quantum()
         if m.oom:
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
-            peak = pred.peak_mem_gib[stage] if stage else max(pred.peak_mem_gib.values())
-            self.calibration.update_memory(None, peak, oom=True, memory_gib=usable, step_gib=q)
-            self._plan_reserve[key] = usable  # this plan is out
-        elif m.peak_mem_gib is not None and peaks:
-            self.calibration.update_memory(float(m.peak_mem_gib), max(peaks.values()), memory_gib=usable, step_gib=q)
-            under = q * math.ceil(max(0.0, float(m.peak_mem_gib) - max(peaks.values())) / q)
-            self._plan_reserve[key] = max(self._plan_reserve.get(key, 0.0), float(under))
+            self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred))
+            self._ran_ok.pop(key, None)  # the evidence that it runs at this workload is void
+        else:
+            peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
+            self.memory.ran(key, peaks, None if m.peak_mem_gib is None else float(m.peak_mem_gib))
         if not m.oom and m.stage_times:  # evidence: this plan ran at this cap and mean length
             cap_mean = self._ran_ok.get(key)
             if cap_mean is None or cap_mean[0] != self._cap:
                 cap_mean = (self._cap, 0.0)
             self._ran_ok[key] = (self._cap, max(cap_mean[1], float(m.response_len_mean)))
-        self._reserve = self.calibration.reserve_gib
         if not m.stage_times or m.oom:
             return
         self._on_plan += 1
@@ -292,7 +294,7 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
     def predict(self, plan: Plan, w: Workload) -> tuple[float, bool]:
         """Calibrated step time and feasibility of ``plan`` on ``w`` (cached per plan and workload)."""
         t = self._times(plan, w)
-        if not t.feasible and not (self._proven(plan, w) and all(map(math.isfinite, t.stage_s.values()))):
+        if not self._fits(plan, t) and not (self._proven(plan, w) and all(map(math.isfinite, t.stage_s.values()))):
             return math.inf, False
         return compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s), True
 
@@ -341,5 +343,5 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
                             "transition_s": c.cost_s, "layout": layout(c.plan)} for c in cands],
             "transition_s": d.predicted_cost_s, "saving_per_step_s": d.saving_per_step_s,
             "break_even_steps": d.break_even_steps, "plan": layout(d.plan), "resolved": d.resolved,
-            "overhead_ms": d.overhead_s * 1e3, "calibration": self.calibration.to_dict(),
+            "overhead_ms": d.overhead_s * 1e3, "calibration": self.calibration.to_dict(), "memory": self.memory.to_dict(),
         })

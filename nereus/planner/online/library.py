@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from nereus.errors import NereusError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
-from nereus.planner.online.plan_cache import LayoutRule, keep_layout
+from nereus.planner.cost.plan_times import compose_step
+from nereus.planner.online.plan_cache import LayoutRule, keep_layout, scale_plan
 from nereus.planner.plan import Plan, StagePlacement
-from nereus.planner.specs import Workload
+from nereus.planner.specs import JobSpec, Workload
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class Candidate:
     feasible_next: bool = False
     times: tuple[float, ...] = ()
     """Predicted step time at each forecast point of the horizon (inf where it does not fit)."""
+    spare_gib: float = math.nan
+    """A fallback's GiB to spare on its tightest model-stage next step (negative: short)."""
 
     @property
     def net_s(self) -> float:
@@ -75,6 +78,59 @@ def gen_tp_variants(plan: Plan, model: ModelSpec, gpus_per_node: int, tps: tuple
     return out
 
 
+def gen_tp(plan: Plan) -> int:
+    return plan.stage("actor/generation").config.tp
+
+
+def gen_tp_free(rule: LayoutRule) -> bool:
+    """Whether ``rule`` lets the generation TP change (no pools kept, generation TP not pinned)."""
+    return rule.anchor is None and all(ms != "actor/generation" for ms, _, _ in rule.fixed_tp_pp)
+
+
+def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str] = frozenset()) -> list[Plan]:
+    """``plan`` with its knobs at their most frugal (every training stage ZeRO-3 with recomputation,
+    every training and inference stage one sequence per micro-batch, no token budget; a trainable
+    model's inference pass follows its training's ZeRO stage), and that plan with one model's TP
+    doubled (DP halved; the training and inference of a trainable model together) for each model
+    whose model-stages are not in ``fixed`` and whose TP can double within a node. Offload is not
+    among them: the controller's memory model does not price it."""
+    trainable = {s.role for s in plan.stages if s.name.endswith("/training")}
+    stages = []
+    for s in plan.stages:
+        c = s.config
+        if s.name != "actor/generation":
+            train = s.role in trainable
+            c = replace(c, micro_batch=1, token_budget=0, zero=3 if train else c.zero,
+                        recompute=True if s.name.endswith("/training") else c.recompute)
+        stages.append(replace(s, config=c))
+    try:
+        base = replace(plan, stages=tuple(stages))
+    except (NereusError, ValueError):
+        return []
+    out = [base] if base.key() != plan.key() else []
+    groups: dict[str, list[str]] = {}
+    for s in base.stages:
+        groups.setdefault("actor/generation" if s.name == "actor/generation" else s.role, []).append(s.name)
+    for names in groups.values():
+        if any(n in fixed for n in names):
+            continue
+        first = base.stage(names[0])
+        tp = first.config.tp * 2
+        try:
+            check_tp(job.model(first.role), tp)
+            heads = job.model(first.role).heads
+            if tp > gpus_per_node or any(base.stage(n).gpus % (tp * base.stage(n).config.pp)
+                                         or heads % (tp * base.stage(n).config.sp) for n in names):
+                continue
+            new = {n: replace(base.stage(n), config=replace(base.stage(n).config, tp=tp,
+                                                             dp=base.stage(n).gpus // (tp * base.stage(n).config.pp)))
+                   for n in names}
+            out.append(replace(base, stages=tuple(new.get(s.name, s) for s in base.stages)))
+        except (NereusError, ValueError):
+            continue
+    return out
+
+
 def layout(p: Plan) -> str:
     return " ".join(f"{s.name}:{s.config.label()}@{s.first_gpu}+{s.gpus}" for s in p.stages)
 
@@ -90,38 +146,65 @@ class CandidateLibrary:
         ratio = round(4 * w.p90 / w.response_len_mean) / 4  # coarse tail shape, so the cache key is stable
         return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), ratio * mean), 1))
 
-    def _ask(self, origin: str, rule: LayoutRule, w: Workload) -> None:
-        if rule.anchor is not None or rule.placement == "colocated":
-            # pools fixed: the solver only picks knobs inside each stage, which per-stage factors do
-            # not reorder; asking with the base parameters lets calibration move without re-solves
-            params, ckey = self.base_params, ()
-        else:
-            params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
+    def _ask(self, origin: str, rule: LayoutRule, w: Workload, reserve_gib: float | None = None) -> Plan | None:
+        # the calibrated parameters for every rule: a stage factor changes the trade between a
+        # stage's knobs and the memory they free for another (recompute vs KV room), fixed pools or not
+        params, ckey = self.calibration.solver_params(self.base_params, self.calib_resolution)
+        # the solver plans with the memory reserve on a grid of 4 quanta (rounded up): a reserve that
+        # creeps up by a GiB does not re-solve everything
+        grid = 4.0 * self._mem_quantum()
+        r = self.memory.solver_reserve() if reserve_gib is None else reserve_gib
         try:
-            # the solver plans with the memory reserve on a grid of 4 quanta (rounded up): a reserve that
-            # creeps up by a GiB does not re-solve everything
-            grid = 4.0 * self._mem_quantum()
-            reserve = grid * math.ceil(self._reserve / grid)
             p = self.plans.best(rule, self._solver_workload(w), self.gpus, params, ckey, hint=self.plan,
-                                reserve_gib=reserve)
+                                reserve_gib=grid * math.ceil(r / grid - 1e-9))
         except NereusError:
             p = None
         if p is not None:
             self._add(p, origin)
-            if rule.name == "free" and self.explore and origin in ("best-horizon", "best-next"):
+            if self.explore and origin in ("best-horizon", "best-next") and gen_tp_free(rule):
                 # the same plan with the other generation TPs: the solver ranks them with stage-level
                 # factors only, the controller with the per-config and shape corrections it learned
                 for q in gen_tp_variants(p, self.job.model("actor"), self.cluster.gpus_per_node):
                     if q.key() not in self._library:
                         self._add(q, "gen-tp")
+        return p
 
     def _add(self, p: Plan, origin: str) -> None:
+        """Into the library (most recent last). Room is made by the oldest plan that is not the
+        current one, not the fastest of its generation TP at the last scoring, and not the last of
+        its generation TP: the library may exceed ``library_size`` by those (at most one per TP)."""
         self._library.pop(p.key(), None)
         self._library[p.key()] = (p, origin)
+        keep = self._pinned | {self.plan.key(), p.key()}
         while len(self._library) > self.library_size:
-            self._library.pop(next(iter(self._library)))
+            per_tp: dict[int, int] = {}
+            for q, _ in self._library.values():
+                per_tp[gen_tp(q)] = per_tp.get(gen_tp(q), 0) + 1
+            old = next((k for k, (q, _) in self._library.items() if k not in keep and per_tp[gen_tp(q)] > 1), None)
+            if old is None:
+                break
+            self._library.pop(old)
 
-    def _candidates(self, ws: list[Workload], offsets: tuple[int, ...], must: bool) -> list[Candidate]:
+    def _pin(self, scored: list[Candidate]) -> None:
+        """Remember the fastest plan over the horizon per generation TP (the current one included)."""
+        best: dict[int, Candidate] = {}
+        for c in scored:
+            tp = gen_tp(c.plan)
+            if math.isfinite(c.horizon_s) and (tp not in best or c.horizon_s < best[tp].horizon_s):
+                best[tp] = c
+        self._pinned = {c.plan.key() for c in best.values()}
+
+    def _library_note(self, out: list[Candidate]) -> str:
+        """What the library held besides the current plan, for a stay's reason."""
+        n = len(self._library) - (self.plan.key() in self._library)
+        more = sum(1 for p, _ in self._library.values() if p.num_gpus > self.gpus)
+        fewer = sum(1 for p, _ in self._library.values() if p.num_gpus < self.gpus)
+        oom = sum(1 for c in out if not c.feasible_next)
+        return (f"the library holds {n} other plan{'s' * (n != 1)}: {oom} predicted out of memory next step, "
+                f"{more} for more than the {self.gpus} GPUs granted, {fewer} for fewer (weighed only when forced)")
+
+    def _candidates(self, ws: list[Workload], offsets: tuple[int, ...], must: bool,
+                    retry: bool = False) -> list[Candidate]:
         """Plans from the solver for the forecast (the fastest under the rule, and the fastest
         keeping the current layout), plus the plans found earlier (a library re-scored every
         step, which costs evaluations, not solves)."""
@@ -142,6 +225,8 @@ class CandidateLibrary:
             c = Candidate(p, origin, cost_s=math.inf)
             self._score(c, ws, offsets)
             out.append(c)
+        self._pin(out + [Candidate(self.plan, "current", horizon_s=cur_s)])
+        self._note = self._library_note(out)
         # the transition planner is only asked about the few fastest candidates that could pay for
         # themselves (a bound per layout pair is tenths of a second at 1,024 GPUs)
         could = sorted((c for c in out if c.feasible_next and (must or self.mode == "always" or c.horizon_s < cur_s)),
@@ -149,9 +234,58 @@ class CandidateLibrary:
         for c in could[:self.cost_queries]:
             c.cost_s = self.transition_cost(self.plan, c.plan)
         if must and not any(c.feasible_next for c in out):
-            self._ask("best-next", self.rule, ws[0])
-            if self.rule.anchor is not None:
-                # the pools a baseline keeps no longer fit: a user relaunches with new ones (same TP/PP rule)
-                self._ask("re-pool", replace(self.rule, anchor=None), ws[0])
-            return self._candidates(ws, offsets, False) if self._library else out
+            if not retry:
+                self._ask("best-next", self.rule, ws[0])
+                if self.rule.anchor is not None:
+                    # the pools a baseline keeps no longer fit: a user relaunches with new ones (same TP/PP rule)
+                    self._ask("re-pool", replace(self.rule, anchor=None), ws[0])
+                return self._candidates(ws, offsets, True, retry=True)
+            fallback = self._fallback(ws, offsets)
+            if fallback is not None:
+                out.append(fallback)
         return out
+
+    def _fallback(self, ws: list[Workload], offsets: tuple[int, ...]) -> Candidate | None:
+        """Nothing is predicted to fit next step: the most frugal plan at hand (fewest OOMs so far,
+        then most GiB to spare on its tightest model-stage, reserves included, then the faster). From the
+        current plan, the library, and the solver asked with lower memory reserves, each also with
+        its knobs at their most frugal (``frugal_variants``: ZeRO-3, recomputation, micro-batch 1,
+        TP doubled where the rule leaves TP free). ``origin`` "fallback", ``feasible_next`` False
+        unless the variant is predicted to fit; ``spare_gib`` set (other candidates leave it nan)."""
+        pool = {k: p for k, (p, _) in self._library.items() if p.num_gpus <= self.gpus}
+        pool.setdefault(self.plan.key(), self.plan)
+        if self.plan.num_gpus > self.gpus and (p := scale_plan(self.plan, self.gpus)) is not None:
+            pool.setdefault(p.key(), p)
+        rules = [self.rule] + ([replace(self.rule, anchor=None)] if self.rule.anchor is not None else [])
+        full = self.memory.solver_reserve()
+        for rule in rules:
+            for r in (full / 2, 0.0) if full > 0 else ():
+                p = self._ask("frugal-ask", rule, ws[0], reserve_gib=r)
+                if p is not None:
+                    pool.setdefault(p.key(), p)
+                    break
+        fixed = {ms for ms, _, _ in self.rule.fixed_tp_pp}
+        best, best_key = None, None
+        for p in list(pool.values()):
+            for q in [p] + frugal_variants(p, self.job, self.cluster.gpus_per_node, fixed):
+                if q.num_gpus > self.gpus:
+                    continue
+                try:
+                    t = self._times(q, ws[0])
+                except NereusError:  # a variant the cost model cannot price (e.g. heads vs TP x SP)
+                    continue
+                room = self._headroom(q, t)
+                if not math.isfinite(room):
+                    continue
+                step = compose_step(self.job, q, self._corrected(q, t.stage_s), t.weight_sync_s)
+                # a plan that ran out of memory less often first: the model's memory is the doubtful part
+                k = (-self.memory.struck.get(q.key(), 0), math.floor(room / self._mem_quantum()),
+                     -step if math.isfinite(step) else -math.inf)
+                if best_key is None or k > best_key:
+                    best, best_key = q, k
+        if best is None:
+            return None
+        c = Candidate(best, "fallback", cost_s=self.transition_cost(self.plan, best))
+        self._score(c, ws, offsets)
+        c.spare_gib = best_key[1] * self._mem_quantum()
+        return c
