@@ -147,3 +147,17 @@ def test_streaming_runs_ahead_only_as_far_as_the_staleness_bound():
     tight, loose = t(1), t(4)
     decode = lambda b: sum(v for k, v in b.items() if k.startswith("decode"))  # noqa: E731
     assert decode(loose) < 0.6 * decode(tight)
+
+
+def test_async_split_at_node_boundaries_beyond_the_halves():
+    """An async plan may split the cluster 6 : 2 nodes (split_sizes), not only at buddy halves: GRPO 7B
+    on 8 nodes puts 48 GPUs on the rollout, which the halves could not (32 at most)."""
+    from nereus.planner.solver.candidates import split_sizes
+
+    cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(64)
+    assert split_sizes(cluster) == (32, 48, 56)
+    job = replace(load_job(ROOT / "examples/grpo-7b.yaml"), schedule=ONE_STEP)
+    w = job.workload().with_lengths(mean=1024)
+    sol = solve(PlanProblem(job=job, cluster=cluster, workload=w), backend="cpsat", time_limit_s=30)
+    assert sol.status == "OPTIMAL" and sol.plan.stage("actor/generation").gpus == 48
+    assert evaluate_plan(PlanProblem(job=job, cluster=cluster, workload=w), sol.plan).feasible

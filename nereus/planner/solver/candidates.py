@@ -114,6 +114,14 @@ def pool_sizes(cluster) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def split_sizes(cluster) -> tuple[int, ...]:
+    """Complements of the node-multiple buddy sizes (N - s for s dividing N): with them an async
+    plan's rollout and trainer pools split the cluster at more than the halves (6 : 2 nodes, not only
+    4 : 4 or 2 : 6 with two nodes idle); the larger pool sits at GPU 0, the other after it, aligned."""
+    n, node = cluster.num_gpus, cluster.gpus_per_node
+    return tuple(sorted({n - s for s in pool_sizes(cluster) if node <= s < n and n % s == 0 and (n - s) % node == 0}))
+
+
 def blocks(cluster, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Every aligned (first_gpu, size) block: the positions the brute-force oracle enumerates."""
     n = cluster.num_gpus
@@ -371,6 +379,8 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
     c = problem.cluster
     units = make_units(problem)
     sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
+    if problem.job.schedule.is_async:  # the rollout / trainer split at any node boundary the other pool aligns to
+        sizes = tuple(sorted(set(sizes) | set(split_sizes(c))))
     if problem.constraints.placement == "colocated":
         sizes = (c.num_gpus,)
     elif problem.constraints.fixed_placement is not None:
