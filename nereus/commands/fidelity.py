@@ -22,6 +22,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _async_speedups(con, corpus, preds, params_for) -> None:
+    """The derived comparison of the ``async`` rows: async over sync step time, predicted vs published."""
+    if not any(p.row.category == "async" for p in preds):
+        return
+    from rich.table import Table
+
+    from nereus.fidelity.async_rows import speedups
+
+    sp = speedups(corpus, preds, params_for)
+    t = Table("async row", "sync row", "same GPUs", "published", "predicted", "pred/pub",
+              title="async speed-up over the sync baseline (sync step / async step)")
+    for s in sp:
+        t.add_row(s.async_id, s.sync_id, "yes" if s.same_gpus else "no", f"{s.published:.2f}x",
+                  "-" if s.predicted is None else f"{s.predicted:.2f}x", s.reason[:48] if s.ratio is None else f"{s.ratio:.2f}")
+    con.print(t)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -48,10 +65,16 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(s["category"], s["split"], str(s["rows"]), str(s["predicted"]), f("mape", "{:.0%}"),
                   f("median_ratio", "{:.2f}"), f("within_2x", "{:.0%}"), f("median_error", "{:.2f}x"))
     con.print(t)
+    _async_speedups(con, load_corpus(args.corpus), preds, params_for)
     skipped = sum(1 for p in preds if p.predicted is None)
     if skipped:
         con.print(f"{skipped} rows not predicted (see --rows for why: MoE models, serving runs, unstated lengths, ...)")
-    write_json(args.json, to_json(preds, source))
+    out = to_json(preds, source)
+    if any(p.row.category == "async" for p in preds):
+        from nereus.fidelity.async_rows import speedup_summary, speedups
+
+        out["async_speedups"] = speedup_summary(speedups(load_corpus(args.corpus), preds, params_for))
+    write_json(args.json, out)
     if args.plot:
         from nereus.commands.common import figure_format
         from nereus.jsonio import atomic_path

@@ -17,10 +17,13 @@ from nereus.errors import SpecError
 from nereus.jsonio import naming
 from nereus.planner.specs import MAX_GPUS
 
-CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "host")
+CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "host", "async")
 """``host``: framework time on the CPU that FLOP and byte counts miss: an inference engine's per
 decode iteration outside the forward (scheduler, input preparation, sampling, output processing)
-at a stated batch; eager PyTorch's per decoder layer and pass; FSDP's hooks per unit and pass."""
+at a stated batch; eager PyTorch's per decoder layer and pass; FSDP's hooks per unit and pass.
+``async``: asynchronous RL runs (rollout and trainer on disjoint pools), always held out."""
+HELDOUT_ONLY = ("async",)
+"""Categories no fit may ever read: a row of them in the fit split is refused."""
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
            "derived", "split", "notes")
 SPLITS = ("fit", "heldout")
@@ -99,6 +102,8 @@ def _rows(path: Path, category: str, reader: csv.DictReader) -> list[Row]:
             raise SpecError(f"{where}: value must be a finite number > 0, got {r['value']}")
         if r["split"] not in SPLITS:
             raise SpecError(f"{where}: split must be fit or heldout, got {r['split']!r}")
+        if category in HELDOUT_ONLY and r["split"] != "heldout":
+            raise SpecError(f"{where}: {category} rows are held out from every fit (split heldout), got {r['split']!r}")
         if r["derived"] not in ("0", "1"):
             raise SpecError(f"{where}: derived must be 0 or 1, got {r['derived']!r}")
         try:

@@ -8,7 +8,8 @@ plans with (``nereus.planner.cost``), fed the row's configuration.
 - collectives: ``allreduce_s`` / ``allgather_s`` at the row's size, GPU count and nodes;
 - training: ``estimate(actor/training)`` of one optimizer step of the row's global batch (FP8 rows:
   the layers' GEMMs in FP8, ``StageOptions.fp8_linear``);
-- RL stages: ``estimate`` of the matching model-stage of a job built from the row's config.
+- RL stages: ``estimate`` of the matching model-stage of a job built from the row's config;
+- async: the step (or a pool's timing) of the row's two-pool asynchronous plan (``async_rows``).
 
 A row the model cannot express (request-rate serving runs, dataset-driven lengths, MoE models,
 unknown hardware, an RL row without its mean response length) gets no prediction and a reason.
@@ -453,5 +454,12 @@ def _wake(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
     return engine_wake_s(weights, gpu.usable_bytes * util - weights - p.workspace_gib * GiB, p)
 
 
+def _async(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """An asynchronous run's step or pool timing under its two-pool plan (``fidelity.async_rows``)."""
+    from nereus.fidelity.async_rows import predict_async
+
+    return predict_async(row, gpu, p)
+
+
 _PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,
-               "rl_stages": _rl, "host": _host}
+               "rl_stages": _rl, "host": _host, "async": _async}

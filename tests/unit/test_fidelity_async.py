@@ -1,0 +1,87 @@
+"""The ``async`` corpus category: published asynchronous RL runs, held out from every fit, predicted
+by the planner's async step (``nereus.fidelity.async_rows``) and reported on their own."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nereus.errors import SpecError
+from nereus.fidelity.async_rows import async_plan, composition_check, speedups
+from nereus.fidelity.corpus import CATEGORIES, DEFAULT_DIR, fit_rows, load_corpus
+from nereus.fidelity.predict import predict
+from nereus.fidelity.report import fitted_params, summarize
+from nereus.planner.cost.params import CostParams
+from nereus.planner.specs import GPU_PRESETS
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+@pytest.fixture(scope="module")
+def async_rows(corpus):
+    return [r for r in corpus if r.category == "async"]
+
+
+def test_category_exists_and_every_row_is_held_out(corpus, async_rows):
+    assert "async" in CATEGORIES
+    assert len(async_rows) >= 50
+    assert {r.split for r in async_rows} == {"heldout"}
+    assert not [r for r in fit_rows(corpus) if r.category == "async"]
+    # every row names its source and the split it was run with
+    for r in async_rows:
+        assert r.source.startswith("https://") and r.get("stage")
+        assert r.get("stage") == "weight_sync" or (r.num("rollout_gpus") and r.num("train_gpus"))
+
+
+def test_loader_refuses_an_async_row_in_the_fit_split(tmp_path: Path):
+    d = tmp_path / "published"
+    d.mkdir()
+    text = (DEFAULT_DIR / "async.csv").read_text().splitlines()
+    head, first = text[0], text[1]
+    assert first.count(",heldout,") == 1
+    (d / "async.csv").write_text(head + "\n" + first.replace(",heldout,", ",fit,") + "\n")
+    with pytest.raises(SpecError, match="held out from every fit"):
+        load_corpus(d)
+    shutil.rmtree(d)
+
+
+def test_reported_as_its_own_category(corpus, async_rows):
+    preds = [predict(r, fitted_params) for r in async_rows]
+    recs = [s for s in summarize(preds) if s["category"] == "async"]
+    assert len(recs) == 1 and recs[0]["split"] == "heldout"
+    assert recs[0]["rows"] == len(async_rows) and recs[0]["predicted"] >= 7
+    assert {"within_2x", "median_error"} <= recs[0].keys()
+    # rows the model cannot price carry the reason (MoE, unstated mean response length)
+    reasons = {p.reason for p in preds if p.predicted is None}
+    assert any("mixture-of-experts" in x for x in reasons) and any("response length" in x for x in reasons)
+
+
+def test_async_row_is_priced_as_a_two_pool_plan(corpus):
+    """A NeMo RL one-step-off row: the step is max(rollout, trainer) + the cross-pool sync, and the
+    rollout pool pays no wake-up (it never sleeps)."""
+    row = next(r for r in corpus if r.id == "asyncnemo-001")
+    gpu = GPU_PRESETS["h100-80gb"]
+    t = async_plan(row, gpu, CostParams())
+    assert not t.violations
+    assert t.step_s == pytest.approx(max(t.rollout_s, t.trainer_s) + t.sync_s)
+    assert t.rollout_s == pytest.approx(t.stage_s["actor/generation"])
+    assert t.trainer_s == pytest.approx(sum(v for k, v in t.stage_s.items() if k != "actor/generation"))
+
+
+def test_speedups_pair_each_async_step_with_its_sync_baseline(corpus):
+    preds = [predict(r, fitted_params) for r in corpus if r.category == "async"]
+    sp = {s.async_id: s for s in speedups(corpus, preds, fitted_params)}
+    s = sp["asyncnemo-001"]
+    assert s.sync_id == "nemorlperf-001" and s.published == pytest.approx(97.7 / 74.6)
+    assert s.predicted is not None and s.predicted > 1  # the model predicts a gain, as published
+    assert sp["async1off-001"].published == pytest.approx(749 / 520) and sp["async1off-001"].predicted is None
+
+
+def test_composition_check_uses_the_step_rule(corpus):
+    recs = {c["step_row"]: c for c in composition_check(corpus)}
+    c = recs["async1off-001"]  # verl FSDP2 4:12: max(458, 108 + 337) = 458 against the published 520
+    assert c["composed_step_s"] == pytest.approx(458) and c["published_step_s"] == 520
