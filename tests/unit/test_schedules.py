@@ -161,3 +161,17 @@ def test_async_split_at_node_boundaries_beyond_the_halves():
     sol = solve(PlanProblem(job=job, cluster=cluster, workload=w), backend="cpsat", time_limit_s=30)
     assert sol.status == "OPTIMAL" and sol.plan.stage("actor/generation").gpus == 48
     assert evaluate_plan(PlanProblem(job=job, cluster=cluster, workload=w), sol.plan).feasible
+
+
+def test_weight_sync_between_pools_of_one_node_uses_its_nvlink():
+    """Pools apart on one node sync over the node's NVLink like colocated ones; on two nodes, over
+    the scale-out link (the verl 4 + 4 one-node split's sync: asyncsync-001/002 in the corpus)."""
+    from nereus.planner.cost.model import weight_sync_s
+
+    job = load_job(ROOT / "examples/grpo-7b.yaml")
+    one = load_cluster(ROOT / "examples/cluster-h100-1n.yaml")
+    two = one.with_gpus(16)
+    train, gen = ParallelConfig(tp=1, dp=4), ParallelConfig(tp=1, dp=4)
+    m = job.model("actor")
+    assert weight_sync_s(m, train, gen, one, colocated=False) == weight_sync_s(m, train, gen, one, colocated=True)
+    assert weight_sync_s(m, train, gen, two, colocated=False) > 5 * weight_sync_s(m, train, gen, two, colocated=True)

@@ -72,10 +72,13 @@ def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, 
                   colocated: bool, params: CostParams | None = None) -> float:
     """Per-step actor weight sync from the training layout to the generation layout: every
     generation GPU receives its 2N/(tp*pp) bytes; every training GPU sends its share of the
-    dp_gen copies. Intra-node bandwidth when the pools are colocated, scale-out otherwise."""
+    dp_gen copies. Intra-node bandwidth when the pools are colocated, or apart on a single node
+    (every GPU pair of one node is on its NVLink / xGMI: an async plan's 4 + 4 split of one node
+    syncs there); scale-out otherwise."""
     p = params or CostParams()
     intra, inter = links(cluster, p)
-    bw = intra if colocated and gen.tp * gen.pp <= cluster.gpus_per_node else inter
+    one_node = cluster.nodes == 1
+    bw = intra if (colocated or one_node) and gen.tp * gen.pp <= cluster.gpus_per_node else inter
     full = model.dtype_bytes * model.num_params()
     recv = full / (gen.tp * gen.pp)
     send = full * gen.dp / train.gpus
