@@ -402,13 +402,15 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
         k = min(range(len(groups)), key=load.__getitem__)
         groups[k] += unit
         load[k] += sum(cost.get(n, 1.0) for n in unit)
+    gt.sample_all()  # every worker reads the same lengths: sampled once, before the fork
     _FORKED = (job, cluster, trace, gt, plans, kw)
     done: dict[str, Any] = {}
     try:
         with mp.get_context("fork").Pool(len(groups)) as pool:
-            for rs, priced in pool.imap_unordered(_forked_group, [g for g in groups if g]):
+            for rs, priced, stages in pool.imap_unordered(_forked_group, [g for g in groups if g]):
                 done.update(rs)
                 gt.prices.merge(priced)  # the offline policies re-price the online ones' switches otherwise
+                gt.merge_stage_results(stages)  # and re-run the model-stages the online policies ran
     finally:
         _FORKED = ()
     return {n: done[n] for n in names}
@@ -419,8 +421,9 @@ _PICKS = "offline picks"
 its result is (plans, seconds)."""
 
 
-def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float]]:
-    """(each policy's result, the layout changes the truth priced in this process)."""
+def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict]:
+    """(each policy's result, the layout changes the truth priced in this process, the model-stage
+    blocks it computed)."""
     job, cluster, trace, gt, plans, kw = _FORKED
     out: list[tuple[str, Any]] = []
     for name in names:
@@ -433,7 +436,7 @@ def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, 
             out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
         except NereusError as e:
             out.append((name, _not_run(name, len(trace), str(e))))
-    return out, gt.prices.priced()
+    return out, gt.prices.priced(), gt.stage_results()
 
 
 def _bar(enabled: bool, total: int, desc: str):

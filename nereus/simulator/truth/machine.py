@@ -132,6 +132,21 @@ class GroundTruth:
             hit = self._blocks[b] = (lengths, jit)
         return hit
 
+    def sample_all(self) -> None:
+        """Sample every block's lengths now (before forking workers, so that they share them)."""
+        for b in range(-(-self.n_steps // self.block)):
+            self._block(b)
+
+    def stage_results(self) -> dict:
+        """Every model-stage block computed so far, by (stage key, block): what a forked worker hands
+        back (a pure function of the key, the block and the seed)."""
+        return dict(self._stage)
+
+    def merge_stage_results(self, done: dict) -> None:
+        """Take model-stage blocks computed elsewhere (``stage_results`` of a forked worker)."""
+        for k, v in done.items():
+            self._stage.setdefault(k, v)
+
     def lengths(self, step: int) -> np.ndarray:
         """The sampled response lengths of ``step`` (every policy sees the same)."""
         lengths, _ = self._block(step // self.block)

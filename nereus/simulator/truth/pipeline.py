@@ -24,7 +24,7 @@ import numpy as np
 
 from nereus.models.spec import ModelSpec
 from nereus.simulator.truth.corpus import Tables
-from nereus.simulator.truth.kernels import microbatch_s
+from nereus.simulator.truth.kernels import microbatch_s, per_length
 from nereus.simulator.truth.memory import FRAGMENTATION, act_bytes_per_token_layer, layer_params_per_gpu, params_per_gpu
 
 ADAM_BYTES = 30.0
@@ -58,6 +58,8 @@ def _split(x: np.ndarray, parts: int) -> np.ndarray:
     """[..., n] -> [..., parts, ceil(n/parts)] contiguous, zero-padded."""
     n = x.shape[-1]
     k = -(-n // parts)
+    if k * parts == n:  # nothing to pad: the same values without a copy
+        return x.reshape(x.shape[:-1] + (parts, k))
     pad = np.zeros(x.shape[:-1] + (parts * k,), dtype=x.dtype)
     pad[..., :n] = x
     return pad.reshape(x.shape[:-1] + (parts, k))
@@ -67,6 +69,8 @@ def _chunks(x: np.ndarray, size: int) -> np.ndarray:
     """[..., n] -> [..., ceil(n/size), size], zero-padded."""
     n = x.shape[-1]
     k = -(-n // size)
+    if k * size == n:
+        return x.reshape(x.shape[:-1] + (k, size))
     pad = np.zeros(x.shape[:-1] + (k * size,), dtype=x.dtype)
     pad[..., :n] = x
     return pad.reshape(x.shape[:-1] + (k, size))
@@ -95,12 +99,21 @@ def stage_times(seqs: np.ndarray, st: StageSpec, tab: Tables) -> tuple[np.ndarra
     x = _split(x, max(1, st.dp // st.sp))                               # [T, M, shards, r]
     if st.token_budget:
         tokens, sum_sq = _pack(x, st.token_budget * st.sp)              # [T, M, shards, k]
+    elif st.micro_batch == 1:  # one sequence per micro-batch: its length and square (the sums of one term)
+        tokens, sum_sq = x, x * x
     else:
         x = _chunks(x, st.micro_batch)                                  # [T, M, shards, m, mb]
         tokens, sum_sq = x.sum(axis=-1), (x * x).sum(axis=-1)
     m = tokens.shape[-1]
-    fwd, bwd = microbatch_s(st.model, st.tp, st.pp, tokens, sum_sq, tab, training=st.training,
-                            recompute=st.recompute, value_head=st.value_head, sp=st.sp)
+
+    def kernel(tok, sq):
+        return microbatch_s(st.model, st.tp, st.pp, tok, sq, tab, training=st.training, recompute=st.recompute,
+                            value_head=st.value_head, sp=st.sp)
+
+    if st.micro_batch == 1 and not st.token_budget:  # a function of the length alone: once per distinct length
+        fwd, bwd = per_length(lambda t: kernel(t, t * t), tokens)
+    else:
+        fwd, bwd = kernel(tokens, sum_sq)
     fsdp = _fsdp_exposed(st, tab, fwd + bwd) if st.zero >= 3 else 0.0
     if st.pp == 1:
         per_rank = (fwd + bwd + fsdp).sum(axis=-1)                    # [T, M, shards]
@@ -134,8 +147,12 @@ def _fsdp_exposed(st: StageSpec, tab: Tables, compute: np.ndarray) -> np.ndarray
 
 
 def _p2p_s(st: StageSpec, tab: Tables, tokens: np.ndarray) -> np.ndarray:
-    nbytes = np.maximum(tokens, 1.0) * st.model.hidden * 2 / st.tp
-    return tab.allreduce_s(nbytes, 2, inter=st.stage_inter) / 2
+    def p2p(t):
+        nbytes = np.maximum(t, 1.0) * st.model.hidden * 2 / st.tp
+        return (tab.allreduce_s(nbytes, 2, inter=st.stage_inter) / 2,)
+
+    return per_length(p2p, tokens)[0]
+
 
 
 def _grad_sync_s(st: StageSpec, tab: Tables) -> float:
