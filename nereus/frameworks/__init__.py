@@ -16,16 +16,20 @@ def emit(framework: str, problem, optimum, solve, *, verl_engine: str = "auto", 
     is called only when the framework cannot express the optimum."""
     from nereus.errors import SpecError
 
+    from nereus.frameworks.asynchronous import is_async
+
+    asynchronous = is_async(optimum)  # an async plan: the framework's async trainer (verl_async, openrlhf_async)
     if framework == "verl":
-        from nereus.frameworks import verl
+        from nereus.frameworks import verl, verl_async
 
         if verl_engine not in VERL_ENGINES:
             raise SpecError(f"verl engine must be one of {', '.join(VERL_ENGINES)}, got {verl_engine!r}")
-        return verl.emit(problem, optimum, solve, engine=verl_engine, dynamic_bsz=dynamic_bsz)
+        return (verl_async if asynchronous else verl).emit(problem, optimum, solve, engine=verl_engine,
+                                                           dynamic_bsz=dynamic_bsz)
     if framework == "openrlhf":
-        from nereus.frameworks import openrlhf
+        from nereus.frameworks import openrlhf, openrlhf_async
 
-        return openrlhf.emit(problem, optimum, solve, dynamic_bsz=dynamic_bsz)
+        return (openrlhf_async if asynchronous else openrlhf).emit(problem, optimum, solve, dynamic_bsz=dynamic_bsz)
     raise SpecError(f"unknown framework {framework!r}; choose one of {', '.join(FRAMEWORKS)}")
 
 
