@@ -214,3 +214,37 @@ def _by_source(rows: list[Row]) -> dict[str, list[float]]:
     for r in rows:
         out.setdefault(_source(r), []).append(r.value)
     return out
+
+
+RESTART_FILE = "restart.csv"
+"""The restart rows of the corpus directory (checkpoint rates, engine start-up, launch times): not a
+fidelity category (no cost-model function predicts them); ``RestartCost``'s defaults are read off them
+(``restart_defaults``)."""
+
+
+def restart_rows(directory=None) -> list[Row]:
+    """The corpus's restart rows (``RESTART_FILE``), checked like every corpus file."""
+    from nereus.fidelity.corpus import DEFAULT_DIR, load_file
+    from pathlib import Path
+
+    return load_file(Path(directory or DEFAULT_DIR) / RESTART_FILE, "restart")
+
+
+def restart_defaults(rows: Iterable[Row]) -> dict[str, tuple[float, list[str]]]:
+    """``RestartCost`` field -> (value, the fit-split row ids it comes from), each the median over
+    sources of each source's median (one source, one vote): ``write_gbps_per_node`` /
+    ``read_gbps_per_node`` from checkpoint write / read rates per node, ``engine_start_s`` from
+    inference-engine cold starts, ``relaunch_s`` from launch-to-first-step times minus that engine
+    start. Held-out rows (whole-restart checks) are dropped first."""
+    use = fit_rows(list(rows))
+    out: dict[str, tuple[float, list[str]]] = {}
+    for field, metric in (("write_gbps_per_node", "ckpt_write_gbps_per_node"),
+                          ("read_gbps_per_node", "ckpt_read_gbps_per_node"), ("engine_start_s", "engine_start_s"),
+                          ("relaunch_s", "launch_to_first_step_s")):
+        mine = [r for r in use if r.metric == metric]
+        if not mine:
+            raise SpecError(f"no fit-split restart row of metric {metric!r}")
+        out[field] = (float(np.median([np.median(v) for v in _by_source(mine).values()])), [r.id for r in mine])
+    launch, ids = out["relaunch_s"]
+    out["relaunch_s"] = (launch - out["engine_start_s"][0], ids)
+    return out

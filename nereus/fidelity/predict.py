@@ -420,9 +420,10 @@ def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
 
 
 HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
-                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s", "kv_remap_ms_per_gib": "kv_remap_s_per_gib"}
+                      "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s", "kv_remap_ms_per_gib": "kv_remap_s_per_gib",
+                      "host_ms_per_response": "gen_response_host_s"}
 """``host`` row metric -> the CostParams field (seconds) it measures (per layer and pass, per FSDP
-unit and pass, per GiB of KV cache re-created)."""
+unit and pass, per GiB of KV cache re-created, per generated response converted on the host)."""
 
 
 def _host(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:

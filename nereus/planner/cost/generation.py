@@ -65,6 +65,9 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
         # (an async plan's rollout pool is its own and never sleeps)
         # sleep: the weights out to host memory, the KV pool released without a copy
         t["engine_wake_sleep"] = engine_wake_s(weights, kv_budget_bytes, p) + host_copy_s(weights, p)
+    # every response is turned into training tensors on its replica's host after the engine returns
+    # it (padding, conversion, bookkeeping; p.gen_response_host_s, from host rows, not an RL row)
+    t["response_host"] = n * p.gen_response_host_s
     kv_used = min(concurrency * per_seq_peak * kvg, kv_budget_bytes)
     transient = {"weights": weights, "kv_cache": kv_used, "workspace": workspace}
     waves = math.ceil(n / concurrency)

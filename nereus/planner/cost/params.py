@@ -160,6 +160,13 @@ class CostParams:
     master, m, v, param)."""
     stage_factor: tuple[tuple[str, float], ...] = (("generation", 1.0), ("inference", 1.0), ("training", 1.0))
     """Per-stage multiplicative time correction fitted by calibration."""
+    gen_response_host_s: float = 1.85e-4
+    """Host time per generated response outside the engine (``generation.estimate_generation``,
+    ``response_host``): converting each response to training tensors, padding, per-response
+    bookkeeping, serial on each replica's host. The fit split's ``host`` rows of metric
+    ``host_ms_per_response``, median by source (``nereus.fidelity.fit.layer_host_s``): 0.185 ms
+    from the post-rollout spans of a Qwen3-0.6B GRPO run (vllm-project/vime#11, 16 vs 256 samples;
+    its Ray put left out, ``controller_transfer`` prices the bytes). Not fitted to an RL row."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -7,9 +7,12 @@ configuration: the switch costs
     save (trainable states written) + relaunch (processes, Ray, NCCL) + load (every model's state
     read back) + engine start and warm-up (weights into the inference engine, CUDA-graph capture)
 
-``RestartCost`` holds the figures, each with a documented default (assumptions, not measurements; a
-job that has measured its own relaunch passes ``measured_s``, and the controller's transition
-calibration scales the prediction by the restarts it is told about, ``Controller.report_transition``).
+``RestartCost`` holds the figures, each default read off the corpus's restart rows
+(``nereus/calibration/published/restart.csv``, ``nereus.fidelity.fit.restart_defaults``: median over
+sources of the fit-split rows; ``tests/unit/test_restart_costs.py`` ties each default to its rows),
+except ``storage_gbps``, which no row measures (an assumption). A job that has measured its own
+relaunch passes ``measured_s``, and the controller's transition calibration scales the prediction by
+the restarts it is told about, ``Controller.report_transition``.
 
 Bytes: a trainable model's checkpoint holds bf16 weights, the fp32 master copy and two fp32 Adam
 moments (2 + 4 + 4 + 4 = 14 bytes per parameter); a frozen model (reference, reward) is not saved and
@@ -17,9 +20,11 @@ is read back as bf16 weights (2 bytes per parameter). Storage: every node writes
 bandwidth, all nodes together at most at the storage system's aggregate bandwidth.
 
 Worked example (defaults, Llama-3.1-8B PPO: actor and critic 8.0e9 trainable, reference and reward
-8.0e9 frozen, on 16 nodes): save 2 x 8e9 x 14 B = 224 GB at min(16 x 2, 40) = 32 GB/s = 7.0 s; load
-224 GB + 2 x 8e9 x 2 B = 256 GB at min(16 x 4, 40) = 40 GB/s = 6.4 s; + 90 s relaunch + 60 s engine:
-163.4 s.
+8.0e9 frozen, on 16 nodes): save 2 x 8e9 x 14 B = 224 GB at min(16 x 0.4215, 40) = 6.74 GB/s = 33.2 s;
+load 224 GB + 2 x 8e9 x 2 B = 256 GB at min(16 x 0.12625, 40) = 2.02 GB/s = 126.7 s; + 174.15 s
+relaunch + 47.85 s engine: 381.9 s (the assumed defaults before: 90 s + 60 s, 2 / 4 GB/s per node,
+163.4 s). The paper's universal-checkpoint restarts of 8B actor/critic on H200 took 695.9-981.2 s
+(held-out rows ``paperuc-001/002``).
 
 The decision of a restart-mode switch carries the new plan as the framework's launch configuration,
 so a training loop can relaunch with it. The planner does not import the framework emitters (they
@@ -52,17 +57,24 @@ FROZEN_LOAD_BYTES = 2
 class RestartCost:
     """What a checkpoint-and-relaunch switch costs (see the module docstring)."""
 
-    write_gbps_per_node: float = 2.0
-    """Checkpoint write bandwidth per node to shared storage, GB/s (assumption: a parallel file system
-    client sustains 1-5 GB/s per node)."""
-    read_gbps_per_node: float = 4.0
-    """Checkpoint read bandwidth per node, GB/s (assumption: reads run about twice as fast as writes)."""
+    write_gbps_per_node: float = 0.4215
+    """Checkpoint write bandwidth per node, GB/s: rows ``gcsdf-001/002`` (a ~4 GB FSDP checkpoint
+    from one 4 x V100 machine to Google Cloud Storage in 6.37 s with Dataflux, 18.57 s with fsspec,
+    GoogleCloudPlatform/gcs-connector-for-pytorch#174; one source: the median of its two). Object
+    storage; a parallel file system writes faster."""
+    read_gbps_per_node: float = 0.12625
+    """Checkpoint read bandwidth per node, GB/s: rows ``gcsdf-003/004`` (the same checkpoint read back
+    in 20.23 s / 73.40 s)."""
     storage_gbps: float = 40.0
-    """Aggregate bandwidth of the storage system, GB/s (assumption: a mid-size Lustre / GPFS / VAST)."""
-    relaunch_s: float = 90.0
-    """Stopping and relaunching the job: scheduler, Ray cluster, imports, NCCL initialisation (assumption)."""
-    engine_start_s: float = 60.0
-    """Inference engine start and warm-up: weights into vLLM, KV allocation, CUDA-graph capture (assumption)."""
+    """Aggregate bandwidth of the storage system, GB/s (assumption: no corpus row measures it)."""
+    relaunch_s: float = 174.15
+    """Stopping and relaunching the job (scheduler, Ray, imports, workers, NCCL, model load): row
+    ``verl384-001`` (verl + vLLM, Qwen2-7B, 3.7 min from launch to training, Ray spin-up excluded;
+    verl-project/verl#384) minus ``engine_start_s``, which that time includes."""
+    engine_start_s: float = 47.85
+    """Inference engine start and warm-up (process, weights into vLLM, allocator, CUDA-graph capture,
+    JIT): rows ``vllmsleep-101/102`` (vLLM 0.11 cold starts on A100, 37.6 s Qwen3-0.6B and 58.1 s
+    Phi-3-vision; blog.vllm.ai 2025-10-26 sleep-mode post): their median."""
     measured_s: float | None = None
     """A measured or reported switch time; when given it replaces the formula."""
 
