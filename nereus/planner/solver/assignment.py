@@ -119,7 +119,7 @@ def to_plan(t: Tables, a: Assignment, cluster: ClusterSpec, *, status: str, solv
               ("generation_kv_budget_gib", None if kv is None else kv / GiB), ("offload", offloaded))
     if t.schedule.kind != "sync":  # the schedule, each model-stage's pool (rollout / trainer) and their idle shares
         pools = {s.name: ROLLOUT if s.name == GEN else TRAINER for s in stages}
-        extras += (("schedule", t.schedule.to_dict()), ("stage_pools", pools),
+        extras += (("schedule", t.schedule.fixed(t.schedule.kind).to_dict()), ("stage_pools", pools),
                    ("idle_share", idle_shares(t.schedule, ms, sync)))
     return Plan(stages=tuple(stages), step_time_s=obj, status=status, solve_s=solve_s, gap=gap, backend=backend,
                 extras=extras)

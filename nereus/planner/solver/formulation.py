@@ -214,13 +214,27 @@ class Formulation:
     def add_async_schedule(self) -> None:
         m, t = self.m, self.t
         g = t.unit_index(GEN)
+        assert g == 0, "the rollout unit opens slot 0"
         for v in self.U:
             if v != g:
                 for k in self.K:
                     m.add([(self.cov[g, k], 1), (self.cov[v, k], 1)], "<=", 1)
+        # the rollout is unit 0 and so slot 0 (slots are numbered by their lowest unit): a root alone
+        for v in self.U:
+            if v != g:
+                m.fix(self.a[v, 0], 0)
+        m.fix(self.root[0], 1)
+        for k in self.K:
+            if k != 0:
+                m.fix(self.par[k, 0], 0)
         self.step = m.new("step[async]", 0, self.t_hi, "time")
         m.add([(self.step, 1), (self.ms[0], -1)], ">=", 0, "time")
         m.add([(self.step, 1)] + [(x, -1) for x in self.ms[1:]], ">=", 0, "time")
+        # valid cut: the pools are disjoint and each is busy at most a step, so every unit's GPU-seconds
+        # fit in step x cluster GPUs
+        N = t.num_gpus
+        area = [(self.z[u, oi], sum(o.durations) * o.size / N) for u in self.U for oi, o in enumerate(t.options[u])]
+        m.add([(self.step, 1)] + [(x, -c) for x, c in area], ">=", 0, "time")
         m.objective = [(self.step, 1.0), (self.sync, 1.0)]
 
     def add_placement_rules(self) -> None:
