@@ -46,8 +46,31 @@ def test_the_rollout_pool_grows_with_the_responses():
     assert splits == sorted(splits), splits  # never back while responses only grow
 
 
-@pytest.mark.xfail(strict=True, reason="flaps today between rollout pools of 112 and 96 GPUs on 5% noise "
-                   "(issue 29: no-flap); remove this mark with the fix")
 def test_a_flat_noisy_trace_keeps_the_split():
     splits, switches = _run([1024.0] * 40, noise=0.05)
     assert switches <= 1 and len(set(splits)) <= 2, (splits, switches)
+
+
+def test_restart_mode_relaunches_verl_async_with_the_new_split():
+    """A framework that cannot reshard live gets the new split as its relaunch: the switch carries
+    verl's async launch (rollout.* and trainer.* pool sizes of the new plan)."""
+    from nereus.frameworks import launch_config
+
+    means = [256 * 1.04 ** k for k in range(70)] + [256 * 1.04 ** 69] * 400  # then a long plateau
+    cap = max(int(max(means) * 1.5), JOB.sequence.response_len_max)
+    w0 = JOB.workload().with_lengths(mean=means[0], max_=cap)
+    ctl = Controller(JOB, CLUSTER, horizon=200, total_steps=len(means), initial_workload=w0,
+                     transition_mode="restart", framework="verl", emitter=launch_config)
+    for step, mean in enumerate(means):
+        times = evaluate_times(JOB, CLUSTER, ctl.plan, w0.with_lengths(mean=mean, max_=cap), ctl.base_params).stage_s
+        d = ctl.step(StepMetrics(step=step, response_len_mean=mean, response_len_max=cap, response_len_cap=cap,
+                                 stage_times=dict(times)))
+        if d.action == "switch" and d.plan.stage("actor/generation").gpus != 64:
+            args = " ".join(d.framework_config["args"])
+            assert "one_step_off_policy" in " ".join(d.framework_config["command"]), d.framework_config["command"]
+            rollout = d.plan.stage("actor/generation").gpus
+            nodes = rollout // CLUSTER.gpus_per_node
+            assert f"rollout.nnodes={nodes}" in args, args
+            assert f"trainer.nnodes={(CLUSTER.num_gpus - rollout) // CLUSTER.gpus_per_node}" in args, args
+            return
+    raise AssertionError("the restart-mode controller never moved the split")
