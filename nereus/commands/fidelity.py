@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(s["category"], s["split"], str(s["rows"]), str(s["predicted"]), f("mape", "{:.0%}"),
                   f("median_ratio", "{:.2f}"), f("within_2x", "{:.0%}"), f("median_error", "{:.2f}x"))
     con.print(t)
+    for s in summarize(preds):
+        if s["category"] == "memory" and "within_25pct" in s:
+            con.print(f"memory ({s['split']}): {s['predicted']} rows, within 15% {s['within_15pct']:.0%}, within 25% "
+                      f"{s['within_25pct']:.0%}, median |error| {s['median_abs_error']:.1%}, median ratio {s['median_ratio']:.3f}")
     _async_speedups(con, load_corpus(args.corpus), preds, params_for)
     skipped = sum(1 for p in preds if p.predicted is None)
     if skipped:

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_sweep(args, job, cluster, params)
     problem = _problem(args, job, cluster, params)
     sol = _solve(args, problem)
-    write_json(args.json, sol.to_dict())
+    write_json(args.json, {**sol.to_dict(), **({"memory_headroom": memory_headroom(problem, sol.plan)} if sol.plan else {})})
     if sol.plan is None:
         raise InfeasibleError(f"INFEASIBLE: {sol.message}")
     if args.emit:
@@ -209,6 +209,10 @@ def print_plan(problem, sol, con=None) -> None:
     phases = ", ".join(f"{x:.2f}" for x in ex.get("phase_makespan_s", ()))
     con.print(f"predicted step time: [bold]{sol.plan.step_time_s:.2f} s[/] (phases {phases}; weight sync "
               f"{ex.get('weight_sync_s', 0.0):.3f} s)")
+    m = memory_headroom(problem, sol.plan)
+    con.print(f"memory: fits with [bold]{m['headroom_gib']:.1f} GiB headroom[/] on the fullest GPU "
+              f"({m['predicted_peak_gib']:.1f} of {m['capacity_gib']:.1f} GiB predicted); held-out memory error p90 "
+              f"{100 * m['heldout_error_p90']:.0f}% (a reserve of that much of every training / inference peak is kept)")
     gap = "-" if not math.isfinite(sol.gap) else f"{sol.gap:.2%}"
     con.print(f"status {sol.status}, gap {gap}, {sol.backend} in {sol.wall_s:.2f} s")
     sched = ex.get("schedule")
@@ -223,6 +227,21 @@ def print_plan(problem, sol, con=None) -> None:
         best = sched["kind"]
         alts = "; ".join(f"{k} {v:.2f} s" if v is not None else f"{k} infeasible" for k, v in steps.items())
         con.print(f"schedule auto chose {best}: step time by schedule: {alts}")
+
+
+def memory_headroom(problem, plan) -> dict:
+    """The plan's memory guarantee: the predicted peak of the fullest GPU without the reserve, the
+    capacity, the headroom between them, and the reserve fraction (``CostParams.mem_reserve_frac``,
+    the held-out memory error's 90th percentile) the solver kept on every training and inference
+    stage's peak."""
+    from dataclasses import replace
+
+    from nereus.planner.solver import evaluate_plan
+
+    bare = evaluate_plan(replace(problem, params=replace(problem.params, mem_reserve_frac=0.0)), plan)
+    return {"predicted_peak_gib": bare.peak_mem_gib, "capacity_gib": bare.capacity_gib,
+            "headroom_gib": bare.capacity_gib - bare.peak_mem_gib,
+            "heldout_error_p90": problem.params.mem_reserve_frac}
 
 
 def _row(key, value, sol) -> dict:

@@ -57,7 +57,13 @@ class AsyncTimes:
 
 
 def async_plan(row: Row, gpu: GPUSpec, p: CostParams) -> AsyncTimes:
-    """Build the job and the two-pool plan of ``row`` and price it (see the module docstring)."""
+    """Build the job and the two-pool plan of ``row`` and price it (see the module docstring). The
+    run happened, so its layout fit: neither the plans' reserve for the model's memory error
+    (``mem_reserve_frac``) nor the allocator's reserved slack (``mem_fragmentation``, cache it frees
+    before an out-of-memory error) may refuse it."""
+    from dataclasses import replace as _replace
+
+    p = _replace(p, mem_reserve_frac=0.0, mem_fragmentation=1.0)
     model, gpu = _model(row, gpu)
     kind = row.get("schedule") or ""
     if kind not in ("sync", "one_step_off", "fully_async"):

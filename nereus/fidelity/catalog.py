@@ -39,6 +39,7 @@ ARCHITECTURES: dict[str, ModelSpec] = {
     "llama-3.1-405b": _m("llama-3.1-405b", 126, 16384, 53248, 128, 8, 128256),
     "mistral-7b": _m("mistral-7b", 32, 4096, 14336, 32, 8, 32000),
     "qwen2-7b": _m("qwen2-7b", 28, 3584, 18944, 28, 4, 152064, qkv_bias=True),
+    "qwen2.5-14b": _m("qwen2.5-14b", 48, 5120, 13824, 40, 8, 152064, qkv_bias=True),
     "qwen3-32b": _m("qwen3-32b", 64, 5120, 25600, 64, 8, 151936, qk_norm=True),
     "llama-3.2-1b": preset("llama-3.2-1b"),
     "qwen2.5-0.5b": preset("qwen2.5-0.5b"),

@@ -248,3 +248,73 @@ def restart_defaults(rows: Iterable[Row]) -> dict[str, tuple[float, list[str]]]:
     launch, ids = out["relaunch_s"]
     out["relaunch_s"] = (launch - out["engine_start_s"][0], ids)
     return out
+
+
+MEMORY_FITTED: tuple[tuple[str, float, float], ...] = (
+    ("logits_copies_train", 1.0, 6.0),
+    ("mem_fragmentation", 1.0, 2.0),
+)
+"""(CostParams field, lower, upper): the memory coefficients ``fit_memory_params`` fits. The
+other memory terms are mechanisms with their sources and no free constant: model states in each
+framework's layout (``memory.model_state_bytes``), activations (``CostParams.act_bytes_per_token``
+and the recompute rule), FSDP's unsharded layers (``passes.fsdp_unsharded_bytes``), an engine's KV
+pool at its memory fraction (``memory.kv_budget_full``)."""
+MEMORY_START = {"logits_copies_train": 2.0, "mem_fragmentation": 1.0}
+"""Where the memory fit starts and what its prior pulls toward: the logits and their gradient in
+fp32, no allocator slack."""
+MEMORY_PROCEDURE = ("scipy.optimize.least_squares, soft_l1 loss (f_scale 0.1) on log(predicted/measured) of every "
+                    "predictable fit-split memory row (all GPUs: allocator behaviour is the framework's, not the GPU's), "
+                    "prior residual log(x/default)/log(4) per coefficient")
+
+
+def fit_memory_params(rows: Iterable[Row], base: CostParams | None = None) -> tuple[dict[str, float], dict]:
+    """The memory coefficients (``MEMORY_FITTED``) from the fit split's ``memory`` rows, whatever
+    their GPU; held-out rows are dropped before anything reads them. Returns {field: value} and the
+    fit record (rows used, fit-split error before and after)."""
+    from scipy.optimize import least_squares
+
+    base = replace(base or CostParams(), **MEMORY_START)  # start and prior: the analytic values, not a past fit
+    use = [r for r in fit_rows(list(rows)) if r.category == "memory"
+           and predict(r, lambda _: base).predicted is not None]
+    if not use:
+        raise SpecError("no predictable fit-split memory row")
+    names = [n for n, _, _ in MEMORY_FITTED]
+    lo = [math.log(a) for _, a, _ in MEMORY_FITTED]
+    hi = [math.log(b) for _, _, b in MEMORY_FITTED]
+    x0 = np.clip([math.log(max(getattr(base, n), a)) for n, a, _ in MEMORY_FITTED], np.array(lo) + 1e-9,
+                 np.array(hi) - 1e-9)
+    measured = np.log([r.value for r in use])
+
+    def res(x: np.ndarray) -> np.ndarray:
+        p = replace(base, **{n: float(math.exp(v)) for n, v in zip(names, x)})
+        pred = np.log([predict(r, lambda _: p).predicted for r in use])
+        return np.concatenate([pred - measured, (x - x0) / math.log(PRIOR_WIDTH)])
+
+    sol = least_squares(res, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200)
+    fitted = {n: float(math.exp(v)) for n, v in zip(names, sol.x)}
+    after, before = np.exp(res(sol.x)[:len(use)]), np.exp(res(x0)[:len(use)])
+    return fitted, {"procedure": MEMORY_PROCEDURE, "rows": [r.id for r in use],
+                    "fit_mape": float(np.mean(np.abs(after - 1))), "fit_median_ratio": float(np.median(after)),
+                    "before_fit_mape": float(np.mean(np.abs(before - 1))),
+                    "at_bound": [n for n, v, (_, a, b) in zip(names, sol.x, MEMORY_FITTED)
+                                 if abs(v - math.log(a)) < 1e-6 or abs(v - math.log(b)) < 1e-6]}
+
+
+RESERVE_QUANTILE = 0.9
+
+
+def memory_reserve_frac(rows: Iterable[Row], params_for) -> tuple[float, dict]:
+    """``CostParams.mem_reserve_frac``: the 90th percentile over the held-out ``memory`` rows of
+    measured / predicted - 1 (floored at 0), predicted with ``params_for`` (the fitted profiles)
+    and no reserve. What plans keep free is what the model got wrong on measurements no fit read.
+    Returns the fraction and its record (rows, quantile, the held-out share within 25%)."""
+    from nereus.fidelity.predict import predict as _predict
+
+    held = [r for r in rows if r.category == "memory" and r.split == "heldout"]
+    preds = [_predict(r, lambda g: replace(params_for(g), mem_reserve_frac=0.0)) for r in held]
+    under = [p.row.value / p.predicted for p in preds if p.predicted]
+    if not under:
+        raise SpecError("no predictable held-out memory row")
+    q = float(np.quantile(under, RESERVE_QUANTILE))
+    return max(0.0, q - 1.0), {"rows": len(under), "quantile": RESERVE_QUANTILE, "measured_over_predicted_p90": q,
+                               "within_25pct": sum(1 for u in under if 0.75 <= 1 / u <= 1.25) / len(under)}

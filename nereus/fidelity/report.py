@@ -59,6 +59,10 @@ def summarize(preds: list[Prediction]) -> list[dict]:
                 rec.update(mape=statistics.fmean(abs(r - 1) for r in ratios), median_ratio=statistics.median(ratios),
                            within_2x=sum(1 for r in ratios if 0.5 <= r <= 2) / len(ratios),
                            median_error=statistics.median(max(r, 1 / r) for r in ratios))
+                if cat == "memory":  # the memory goals: share within 15% / 25%, median |predicted / measured - 1|
+                    rec.update(within_15pct=sum(1 for r in ratios if abs(r - 1) <= 0.15) / len(ratios),
+                               within_25pct=sum(1 for r in ratios if abs(r - 1) <= 0.25) / len(ratios),
+                               median_abs_error=statistics.median(abs(r - 1) for r in ratios))
             out.append(rec)
     return out
 
@@ -78,7 +82,7 @@ def scatter(preds: list[Prediction], path: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 6))
-    colours = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")))
+    colours = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")))
     lo, hi = float("inf"), 0.0
     for cat in CATEGORIES:
         for split, face in (("fit", None), ("heldout", "none")):

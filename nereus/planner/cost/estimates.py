@@ -116,11 +116,27 @@ class StageOptions:
 NO_OPTIONS = StageOptions()
 
 
+RESERVED_STAGES = ("training", "inference")
+"""Stages whose predicted memory carries ``CostParams.mem_reserve_frac``: their peak is the
+allocator's, which the model predicts with an error. A generation engine takes its memory fraction
+up front (weights, then a KV pool of what is left), so its footprint is set, not predicted."""
+RESERVE_KEYS = ("reserve_resident", "reserve_transient")
+
+
+def reserve_bytes(e: "StageEstimate") -> float:
+    """The reserve ``finish`` added to an estimate's memory (0 without one)."""
+    return sum(e.mem_breakdown.get(k, 0.0) for k in RESERVE_KEYS)
+
+
 def finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: CostParams,
             resident: dict[str, float], transient: dict[str, float], cluster: ClusterSpec,
             waves: int = 1, notes: tuple[str, ...] = ()) -> StageEstimate:
     f = p.factor(stage)
     t = {k: v * f for k, v in t.items()}
+    if stage in RESERVED_STAGES and p.mem_reserve_frac > 0:  # the held-out memory error, kept free
+        r = p.mem_reserve_frac
+        resident = {**resident, "reserve_resident": r * sum(resident.values())}
+        transient = {**transient, "reserve_transient": r * sum(transient.values())}
     return StageEstimate(ms, cfg, sum(t.values()), t, sum(resident.values()), sum(transient.values()),
                          {**resident, **transient}, cluster.gpu.usable_bytes, waves, notes)
 

@@ -37,14 +37,29 @@ def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm", expert_
     return layers * per_layer + max(embed, last)
 
 
+MAIN_GRAD_BYTES = 4
+"""Bytes per gradient element a Megatron-style layout (ZeRO 0-2) keeps: fp32 main gradients
+(``--accumulate-allreduce-grads-in-fp32``, on for bf16), not bf16 ones. Megatron's own account: 2
+bytes of bf16 parameters, 4 of fp32 main parameters, 4 of gradients, 8 of Adam states, 18 per
+parameter before the distributed optimizer shards the 12 (NVIDIA/Megatron-LM#654;
+``megatron/training/theoretical_memory_usage.py``). The corpus's held-out Megatron rows
+(``memory.csv``, ``memmegtool``) are predicted with it."""
+
+
 def model_state_bytes(psi: float, dp: int, zero: int, dtype_bytes: int = 2) -> dict[str, float]:
-    """Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) per param,
-    sharded along DP by the ZeRO stage (Rajbhandari et al. 2019). In fp32 (dtype_bytes 4, no
-    master copy): 4 + 4 + 8, the same 16 bytes split differently."""
+    """Mixed-precision Adam as the frameworks keep it, sharded along DP by the ZeRO stage
+    (Rajbhandari et al. 2019). ZeRO 0-2 (Megatron): bf16 weights (2), fp32 main gradients
+    (``MAIN_GRAD_BYTES``, sharded from ZeRO-2), fp32 master, m, v (12, sharded from ZeRO-1).
+    ZeRO-3 / FSDP (verl's FSDP workers, torchtitan's FSDP2 with bf16 compute): fp32 sharded
+    parameters, fp32 gradients and the two Adam moments, 16 bytes / dp in all, written here as
+    2 + 2 + 12 (the optimizer share is what optimizer offload moves). In fp32 (dtype_bytes 4, no
+    master copy): 4 + 4 + 8."""
     if dtype_bytes == 4:
         w, g, o = 4 * psi, 4 * psi, 8 * psi
-    else:
+    elif zero >= 3:
         w, g, o = 2 * psi, 2 * psi, 12 * psi
+    else:
+        w, g, o = 2 * psi, MAIN_GRAD_BYTES * psi, 12 * psi
     if zero >= 1:
         o /= dp
     if zero >= 2:

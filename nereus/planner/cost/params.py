@@ -111,8 +111,12 @@ class CostParams:
     When either is > 0 they replace the coefficient formula above (see ``act_bytes_per_token``)."""
     logits_bytes: float = 4.0
     """Bytes per logit (fp32)."""
-    logits_copies_train: float = 2.0
-    """Logits plus their gradient in training."""
+    logits_copies_train: float = 1.62
+    """Copies of the fp32 logits (``logits_bytes`` per vocabulary entry per token) a training pass
+    holds at its peak: the logits and their gradient (2) less what frameworks free or keep in
+    bf16 between them. Fitted, 1.62, with ``mem_fragmentation`` on the fit split's memory rows
+    (``nereus.fidelity.fit.fit_memory_params``: torchtitan's full-recompute rows, where logits of
+    32k-token micro-batches are a third of the peak); the analytic start was 2."""
     logprob_bytes_per_logit: float = 16.0
     """HBM bytes per logit of the log-probability pass after the LM head (derived, not fitted):
     the head writes bf16 logits (2), the fp32 cast reads 2 and writes 4, log-softmax reads 4 and
@@ -137,6 +141,20 @@ class CostParams:
     eager / CUDA-graph pair's inference forward (the fit split's one such row)."""
     workspace_gib: float = 1.0
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
+    mem_fragmentation: float = 1.843
+    """PyTorch's caching allocator holds more than the live tensors (``max_memory_reserved`` over
+    ``max_memory_allocated``): the factor on a training or log-prob pass's activations and logits
+    (the transient allocations that come and go every micro-batch). Fitted, 1.843, on the corpus's fit
+    ``memory`` rows that report reserved memory (``nereus.fidelity.fit.fit_memory_params``), never
+    on a held-out row; 1.0 = no slack."""
+    mem_reserve_frac: float = 0.13
+    """Memory a plan keeps in reserve beyond its predicted peak on every training and inference
+    stage, as a fraction of that peak (``estimates.finish`` adds it to resident and transient
+    alike, so a pool's reserve is this fraction of its predicted peak): the 90th percentile of
+    measured / predicted - 1 over the held-out ``memory`` rows (``nereus.fidelity.fit.
+    memory_reserve_frac``), the error the model makes on measurements no fit read. ``nereus plan``
+    prints it with every plan. 0 disables it. 0.13: the held-out p90 of measured / predicted is 1.121
+    over 23 rows (rounded up to the next hundredth)."""
     host_link_gbps: float = 25.0
     """GPU <-> host bandwidth for CPU offload of a resident state (PCIe Gen5 x16 effective)."""
     kv_remap_s_per_gib: float = 3.9e-3
@@ -184,6 +202,8 @@ class CostParams:
                 continue
             if not _real(v) or v < 0:
                 raise SpecError(f"cost params: {f.name} must be a finite number >= 0, got {v!r}")
+        if self.mem_fragmentation < 1:
+            raise SpecError(f"cost params: mem_fragmentation must be >= 1 (reserved >= allocated), got {self.mem_fragmentation}")
         for f in ("mfu_train", "mfu_train_fp8", "power_cap_flops_scale", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
                   "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:

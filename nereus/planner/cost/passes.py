@@ -196,10 +196,24 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
     else:
         act = in_flight * layers_here * tok * act_tok_layer
     vocab_out = model.vocab / tp if head == "lm" else 1
-    transient = {"activations": act,
-                 "logits": tok * vocab_out * p.logits_bytes * p.logits_copies_train,
+    logits = tok * vocab_out * p.logits_bytes * p.logits_copies_train
+    transient = {"activations": act, "logits": logits, "fsdp_unsharded": fsdp_unsharded_bytes(psi, cfg, layers_here,
+                                                                                          model.dtype_bytes),
+                 "fragmentation": (p.mem_fragmentation - 1) * (act + logits),
                  "workspace": p.workspace_gib * GiB}
     return finish(ms, cfg, t, "training", p, resident, transient, cluster)
+
+
+def fsdp_unsharded_bytes(psi: float, cfg: ParallelConfig, layers_here: int, dtype_bytes: int) -> float:
+    """Parameters ZeRO-3 / FSDP holds unsharded (bf16) while a training step runs: the layer being
+    computed and the one prefetched (FSDP2's default ``reshard_after_forward`` frees each after
+    use), 2 of the stage's layers; with pipeline parallelism the whole stage, which torchtitan keeps
+    unsharded across its micro-batches (``reshard_after_forward=False`` under PP, so every
+    micro-batch does not all-gather it again). 0 below ZeRO-3."""
+    if cfg.zero < 3 or cfg.dp <= 1:
+        return 0.0
+    share = 1.0 if cfg.pp > 1 else min(1.0, 2 / max(1, layers_here))
+    return dtype_bytes * psi * share
 
 
 FP8_PEAK_FACTOR = 2.0
@@ -278,6 +292,7 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
     act_ffn = moe.act_ffn(model, moe.imbalance(cfg)) if model.is_moe else model.ffn
     act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / split
-    transient = {"activations": tok * act_tok_layer, "logits": tok * vocab_out * p.logits_bytes,
+    act, logits = tok * act_tok_layer, tok * vocab_out * p.logits_bytes
+    transient = {"activations": act, "logits": logits, "fragmentation": (p.mem_fragmentation - 1) * (act + logits),
                  "workspace": p.workspace_gib * GiB}
     return finish(ms, cfg, t, "inference", p, resident, transient, cluster)
