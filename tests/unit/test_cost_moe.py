@@ -24,25 +24,29 @@ from test_models_moe import QWEN3_30B_A3B
 C1, C4 = "examples/cluster-h100-1n.yaml", "examples/cluster-h100-4n.yaml"
 JOB = "examples/grpo-qwen3-30b-a3b.yaml"
 
-# captured on main before expert parallelism existed (commit 7b98795): time_s, mem_bytes and a hash of
-# the whole estimate JSON of dense model-stages
+# time_s, mem_bytes and a hash of the whole estimate JSON of dense model-stages. Captured before expert
+# parallelism existed (7b98795; still exact at a6bf255, which added it), re-pinned at ebc4e38 after two
+# deliberate dense changes: 9269c20's per-response host cost in generation (each generation time grew by
+# exactly 0.185 ms x responses per replica, e.g. +0.02368 s = 128 x 0.185 ms) and ebc4e38's memory terms
+# (Megatron fp32 main grads, logits_copies_train 1.62, mem_fragmentation; training/inference mem_bytes
+# only). Every other time is the pre-EP capture to the last bit. A change here must be deliberate.
 DENSE_CASES = [
-    ("ppo-8b", C1, "actor/generation", {"tp": 1, "dp": 8}, 100.79318631091118, 44931176060.09477, "e17b874857df0bd3"),
-    ("ppo-8b", C1, "actor/generation", {"tp": 4, "pp": 2, "dp": 1}, 161.621546192156, 10030738847.023693, "dfdad3840dc70716"),
-    ("ppo-8b", C1, "actor/training", {"tp": 2, "dp": 4, "micro_batch": 2}, 45.75826158000778, 65683615744.0, "b6409185eb85cfcc"),
+    ("ppo-8b", C1, "actor/generation", {"tp": 1, "dp": 8}, 100.81686631091118, 44931176060.09477, "14823a22d584f56e"),
+    ("ppo-8b", C1, "actor/generation", {"tp": 4, "pp": 2, "dp": 1}, 161.81098619215598, 10030738847.023693, "5262f7db88a5f958"),
+    ("ppo-8b", C1, "actor/training", {"tp": 2, "dp": 4, "micro_batch": 2}, 45.75826158000778, 115574942624.76309, "79b55dfdfcc02249"),
     ("ppo-8b", C1, "actor/training", {"tp": 1, "dp": 8, "zero": 3, "recompute": True, "sp": 2}, 79.59157099497968,
-     23778041856.0, "0123c1b2a2ae6cb7"),
-    ("ppo-8b", C1, "critic/inference", {"tp": 2, "pp": 2, "dp": 2}, 12.245218240200881, 5796827136.0, "642fc1bb34591967"),
-    ("ppo-8b", C1, "ref/inference", {"tp": 1, "dp": 8, "zero": 3}, 16.161756272338273, 23277871104.0, "bb33068b3ddb5e50"),
-    ("ppo-70b", C4, "actor/training", {"tp": 8, "pp": 4, "dp": 1, "recompute": True}, 323.0785033013246, 40447115264.0,
-     "31a1ffa4bb5368a7"),
-    ("ppo-70b", C4, "actor/generation", {"tp": 8, "pp": 1, "dp": 4}, 231.30352469742047, 36087546381.559235,
-     "a15d49e7c319b927"),
+     32461413944.899994, "611518f7ca33ab5e"),
+    ("ppo-8b", C1, "critic/inference", {"tp": 2, "pp": 2, "dp": 2}, 12.245218240200881, 7224682312.9497595, "9f814157e16a2213"),
+    ("ppo-8b", C1, "ref/inference", {"tp": 1, "dp": 8, "zero": 3}, 16.161756272338273, 32156332733.890556, "30438460fb53fbce"),
+    ("ppo-70b", C4, "actor/training", {"tp": 8, "pp": 4, "dp": 1, "recompute": True}, 323.0785033013246, 53266410775.7994,
+     "6e60daadb1787068"),
+    ("ppo-70b", C4, "actor/generation", {"tp": 8, "pp": 1, "dp": 4}, 231.39824469742047, 36087546381.559235,
+     "6ab36940fa09499e"),
     ("grpo-32b", C4, "actor/training", {"tp": 4, "pp": 2, "dp": 4, "cp": 2, "token_budget": 8192}, 104.40966665585171,
-     66192387072.0, "49e6f49cca619db4"),
-    ("grpo-7b", C1, "actor/inference", {"tp": 1, "dp": 8, "micro_batch": 4}, 3.3974528714309407, 24755186688.0,
-     "f79728e784af1e4b"),
-    ("grpo-7b", C1, "actor/generation", {"tp": 2, "dp": 4}, 27.637299028776884, 12522560974.085579, "7328733bfdba7342"),
+     117788402437.82614, "1a8b7572eecef7c2"),
+    ("grpo-7b", C1, "actor/inference", {"tp": 1, "dp": 8, "micro_batch": 4}, 3.3974528714309407, 36022948254.1056,
+     "823119d42c1fc29f"),
+    ("grpo-7b", C1, "actor/generation", {"tp": 2, "dp": 4}, 27.660979028776882, 12522560974.085579, "f5a1edf237a44072"),
 ]
 
 
@@ -59,7 +63,7 @@ def test_dense_estimates_identical_to_before_expert_parallelism(job, cluster, ms
 def test_dense_estimate_with_framework_options_identical():
     e = estimate(load_job("examples/ppo-8b.yaml"), load_cluster(C1), "actor/training", ParallelConfig(tp=2, dp=4),
                  options=StageOptions(fp8_linear=True, pad_to=4096, param_offload="per_call", optimizer_offload=True))
-    assert (e.time_s, e.mem_bytes, _digest(e)) == (52.78973318248092, 41348263936.0, "92423fef1e06a49a")
+    assert (e.time_s, e.mem_bytes, _digest(e)) == (52.78973318248092, 66557354566.654366, "776fa9295daa07ff")
 
 
 # ---- ParallelConfig --------------------------------------------------------------------------
