@@ -41,9 +41,11 @@ def _run(means, noise: float = 0.0, seed: int = 0) -> tuple[list[int], int]:
 
 
 def test_the_rollout_pool_grows_with_the_responses():
-    splits, _ = _run([256 * 1.04 ** k for k in range(70)])  # 256 -> 3,900 tokens
-    assert splits[-1] > splits[0], splits
-    assert splits == sorted(splits), splits  # never back while responses only grow
+    splits, switches = _run([256 * 1.04 ** k for k in range(70)])  # 256 -> 3,900 tokens
+    # generation outgrows training first (the rollout pool grows); at the longest responses
+    # training's attention (s^2) catches up, and the split may move back part of the way
+    assert max(splits) > splits[0] and splits[1] > splits[0], splits
+    assert switches <= 4, splits
 
 
 def test_a_flat_noisy_trace_keeps_the_split():
