@@ -5,7 +5,8 @@ checks every region bit for bit against the never-resharded reference and the lo
 against A and the unsharded model (fp32: |diff| <= 1e-5, reduction order changes; bf16-mixed:
 <= 2^-5 x the largest |logit|, see ``nereus.executor.checks.logits_tolerance``). ``--arch``: the
 reference transformer (``--model`` preset) or a tiny Llama / Qwen2 (QKV bias, tied embeddings) /
-Qwen3 (q/k norm) from ``nereus.executor.hf.arch.TINY``; ``--precision bf16-mixed``: bf16 params
+Qwen3 (q/k norm) / Qwen3-MoE (8 experts, top 2; plans draw ep and etp too) from
+``nereus.executor.hf.arch.TINY``; ``--precision bf16-mixed``: bf16 params
 with fp32 master and Adam moments (the planner's default kinds). With ``--inject-fault [KIND]`` a
 failure is injected in every case at a random round on a random rank (``before-send``: an
 exception before the rank posts; ``after-receive``: an exception once its bytes arrived;
@@ -30,7 +31,7 @@ import time
 
 from nereus.commands.common import console, nonneg_int, pos_int, torchrun_world, write_json
 
-ARCHS = ("reference", "llama", "qwen2", "qwen3")
+ARCHS = ("reference", "llama", "qwen2", "qwen3", "qwen3_moe")
 PRECISIONS = ("fp32", "bf16-mixed")
 FAULTS = {"before-send": "raise", "after-receive": "after-receive", "corrupt": "corrupt",
           "corrupt-pack": "corrupt-pack", "corrupt-unpack": "corrupt-unpack", "kill": "kill", "hang": "hang"}
@@ -63,6 +64,10 @@ def random_plan(rng: random.Random, world: int, model):
     """A random placement of the actor (and ref, on the same pool) over part or all of the world."""
     from nereus.executor.scenario import make_plan
 
+    if model.is_moe:
+        from nereus.executor.hf.scenarios import random_moe_plan
+
+        return random_moe_plan(rng, world, model)
     sizes = [g for g in (1, 2, 4, 8) if g <= world]
     g = rng.choice(sizes)
     first = rng.choice([f for f in range(0, world - g + 1)])
@@ -87,7 +92,8 @@ def _make_cases(args, job):
     model, cases = job.model("actor"), []
     while len(cases) < args.cases:
         a, b = random_plan(rng, args.world, model), random_plan(rng, args.world, model)
-        if a.layout_key() == b.layout_key():
+        if a.layout_key() == b.layout_key() and all((x.config.ep, x.config.etp) == (y.config.ep, y.config.etp)
+                                                    for x, y in zip(a, b)):
             continue
         tp = plan_transition(job, local_cluster(args.world), a, b, mixed_precision=args.precision == "bf16-mixed",
                              scheduler="greedy")
@@ -96,7 +102,17 @@ def _make_cases(args, job):
     return rng, cases
 
 
-def _verdict(results: list[dict], fault: bool, precision: str = "fp32") -> tuple[bool, str]:
+def _moe_rounding_moves(case) -> bool:
+    """An MoE case under bf16 where A or B splits attention or an expert over ranks (tp or etp > 1):
+    bf16 router logits tie exactly often enough (measured: a top-2/top-3 gap of 0.0 in one of the
+    48 tokens of a seeded batch) that moving roundings flips a token's top-k, a discrete change of
+    its output, so the logits are reported, not held to the dense tolerance; bits still must be exact.
+    (EP-only and dp/pp changes gave identical bf16 logits; fp32 holds every case to 1e-5.)"""
+    return any(max(s.config.tp, s.config.etp) > 1 for s in (case[0].home("actor"), case[1].home("actor")))
+
+
+def _verdict(results: list[dict], fault: bool, precision: str = "fp32", logits_reported_only: bool = False
+             ) -> tuple[bool, str]:
     """(passed, why) of one case from every rank's result. With a fault every rank must have
     rolled back to its old checksums (a rank killed on purpose, ``{"killed": True}``, is skipped;
     the survivors must roll back); without one, every region must be bit-exact and the logits in
@@ -117,8 +133,10 @@ def _verdict(results: list[dict], fault: bool, precision: str = "fp32") -> tuple
         return False, f"bits {'ok' if bad == 0 else f'{bad} regions differ'}, logits not compared (no rank ran B)"
     diff = max((r["logits_max_diff"] for r in compared), default=0.0)
     tol = logits_tolerance(precision, max((r["logits_scale"] for r in compared), default=0.0))
-    ok = bad == 0 and diff <= tol
-    return ok, f"bits {'ok' if bad == 0 else f'{bad} regions differ'}, logits max diff {diff:.1e} (tolerance {tol:.1e})"
+    ok = bad == 0 and (diff <= tol or logits_reported_only)
+    note = " (reported only: bf16 MoE router ties)" if logits_reported_only and diff > tol else ""
+    return ok, (f"bits {'ok' if bad == 0 else f'{bad} regions differ'}, logits max diff {diff:.1e} "
+                f"(tolerance {tol:.1e}){note}")
 
 
 def _job(args):
@@ -222,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     passed, first_failure = 0, ""
     for i, (case, results) in enumerate(zip(cases, per_case)):
-        ok, why = _verdict(results, bool(args.inject_fault), args.precision)
+        loose = job.model("actor").is_moe and args.precision != "fp32" and _moe_rounding_moves(case)
+        ok, why = _verdict(results, bool(args.inject_fault), args.precision, loose)
         passed += ok
         first_failure = first_failure or ("" if ok else f"case {i + 1}: {why}")
         extra = f" fault {case[3].kind} on rank {case[3].rank} round {case[3].round}:" if args.inject_fault else ""

@@ -83,6 +83,10 @@ class Engine:
     def _bind(self, placement: StagePlacement) -> None:
         self.placement = placement
         self.g = PlacementGroups.build(placement, self.rank, tied=self.model.tie_embeddings and not self.value_model)
+        self.moe = None
+        """Mixture of experts: this rank's experts and expert group (``model.ExpertShard``)."""
+        if self.model.is_moe:
+            self.moe = M.build_shard(self.model, placement, self.rank)  # collective: every rank, same order
         self.regions = rank_regions(self.model, placement, self.rank, self.role, self.trainable, self.precision)
         self.w: dict[str, torch.Tensor] = {}
         if self.g.coords is None or len(self.store) == 0:
@@ -130,7 +134,7 @@ class Engine:
                 # imports torch._dynamo: seconds); no RNG inside a block, so no RNG state to keep
                 x = torch.utils.checkpoint.CheckpointFunction.apply(self._recomputed_block, False, x, i)
             else:
-                x = M.block(x, self.w, i, self.model, self.g.tp_group, cache)
+                x = M.block(x, self.w, i, self.model, self.g.tp_group, cache, self.moe)
         if not self.g.last_stage:
             return x
         if self.value_model:
@@ -142,7 +146,7 @@ class Engine:
         backward, where the meter counts the one block's activations alive at a time."""
         scope = self.meter.recomputed() if self.meter is not None else contextlib.nullcontext()
         with scope:
-            return M.block(x, self.w, i, self.model, self.g.tp_group, None)
+            return M.block(x, self.w, i, self.model, self.g.tp_group, None, self.moe)
 
     def _pipe_forward(self, ids: torch.Tensor, cache: M.KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run this stage on one micro-batch: (stage input needing grad or None, stage output)."""
@@ -170,10 +174,18 @@ class Engine:
         placement's when None), as verl's ``log_prob_micro_batch_size_per_gpu`` does: one micro-batch
         of activations and logits alive at a time, which is what the cost model's memory charges.
         Yields (first row, stage output); every stage of a pipeline walks the same micro-batches."""
+        self._check_moe_rows(ids.shape[0])
         lo, n = self._rows(ids.shape[0])
         mb = max(1, self.placement.config.micro_batch if micro_batch is None else micro_batch)
         for s in range(lo, lo + n, mb):
             yield s, self._pipe_forward(ids[s:min(s + mb, lo + n)])[1]
+
+    def _check_moe_rows(self, rows: int) -> None:
+        """An expert group spanning DP replicas runs one collective per MoE block per micro-batch
+        on all of them, so they must walk the same micro-batches: equal rows per DP rank."""
+        if self.moe is not None and self.moe.spans_dp and rows % self.g.dp:
+            raise SpecError(f"executor: {rows} rows do not split evenly over dp({self.g.dp}), and the expert "
+                            f"groups of {self.placement.name} span DP replicas (ep * etp > tp)")
 
     def _joined(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
         return (torch.cat(parts) if parts else None) if self.g.last_stage else None
@@ -235,6 +247,7 @@ class Engine:
         if not self.in_pool:
             return None
         B = prompts.shape[0]
+        self._check_moe_rows(B)
         lo, n = self._rows(B)
         gen = torch.Generator().manual_seed(seed)
         cache, tokens, cur = M.KVCache(), [prompts[lo:lo + n]], prompts[lo:lo + n]
@@ -267,7 +280,10 @@ class Engine:
                 self.meter.observe(kv_cache_bytes(cache))
             if stop_targets is not None:
                 alive &= nxt == stop_targets[lo:lo + n, k]
-                if not bool(alive.any()):
+                going = alive.any()
+                if self.moe is not None and self.moe.spans_dp:  # the expert group decodes in step
+                    going = all_reduce(going.to(torch.int64), self.g.pool_group) > 0
+                if not bool(going):
                     break
         steps = torch.tensor([len(tokens) - 1], device=dev)
         if stop_targets is not None:
@@ -292,6 +308,10 @@ class Engine:
         on every pool rank) may veto the optimizer step: gradients are dropped and None is returned."""
         if self.value_model and returns is None:
             raise SpecError(f"Engine.train_step: the {self.role} model ends in a value head and needs returns [B, T]")
+        if self.model.is_moe:
+            raise SpecError(f"Engine.train_step: {self.model.name} is a mixture-of-experts model; the executor "
+                            "runs its forward (logits, log-probs, generation) and reshards it, training it is not "
+                            "implemented (no backward through the expert all-to-all)")
         if not self.in_pool:
             return None
         B, T = ids.shape

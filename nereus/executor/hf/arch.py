@@ -1,11 +1,12 @@
 """Which Hugging Face architectures the executor runs, and their ModelSpec.
 
 ``spec_of(config)`` reads a ``transformers`` config object or a ``config.json`` dict (Llama,
-Qwen2, Qwen3) through ``nereus.models.spec.from_hf_dict`` and refuses, naming the setting, what
+Qwen2, Qwen3, Qwen3-MoE) through ``nereus.models.spec.from_hf_dict`` and refuses, naming the setting, what
 the executor's model (``nereus.executor.model``) does not compute: rotary scaling other than the
 default (``rope_theta`` only: no ``llama3``/``yarn``/``linear``, no partial rotary), an activation
 other than SiLU, biases on ``o_proj`` or the MLP, sliding-window attention, Llama's
-``pretraining_tp``. ``TINY`` holds the small configs the tests and ``nereus reshard-check --arch``
+``pretraining_tp``; for Qwen3-MoE ``norm_topk_prob`` false (the executor renormalises the top-k
+router probabilities, as Qwen3-30B-A3B / 235B-A22B and Mixtral do). ``TINY`` holds the small configs the tests and ``nereus reshard-check --arch``
 use; ``hf_config`` builds the ``transformers`` config object from one (the only import of
 transformers here, done when called).
 """
@@ -17,6 +18,9 @@ from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec, from_hf_dict
 
 ARCHS = ("llama", "qwen2", "qwen3")
+"""Dense architectures."""
+MOE_ARCHS = ("qwen3_moe",)
+"""Mixture-of-experts architectures (``nereus.executor.model.moe_mlp``): experts sharded by EP and expert TP."""
 
 _BASE = {"num_hidden_layers": 2, "vocab_size": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
 TINY: Mapping[str, Mapping[str, Any]] = {
@@ -29,6 +33,12 @@ TINY: Mapping[str, Mapping[str, Any]] = {
     # q/k norm, head_dim 32 != hidden / heads = 16
     "qwen3": {**_BASE, "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1000000.0, "tie_word_embeddings": False},
+    # 8 routed experts of width 32, top 2 renormalised, every block sparse; q/k norm as Qwen3
+    "qwen3_moe": {**_BASE, "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1000000.0,
+                  "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
 }
 """config.json contents of tiny models (2 layers, hidden 64-128, vocab 256), one per architecture."""
 
@@ -43,8 +53,13 @@ def spec_of(config: Any, name: str | None = None) -> ModelSpec:
     d = config_dict(config)
     arch = str(d.get("model_type", ""))
     where = f"Hugging Face config ({arch or 'no model_type'})"
-    if arch not in ARCHS:
-        raise SpecError(f"{where}: model_type must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch not in ARCHS + MOE_ARCHS:
+        raise SpecError(f"{where}: model_type must be one of {', '.join(ARCHS)}, got {arch!r} "
+                        f"(mixture of experts: {', '.join(MOE_ARCHS)})")
+    if arch in MOE_ARCHS:
+        stray = [k for k in ("shared_expert_intermediate_size", "n_shared_experts") if d.get(k)]
+        if stray:
+            raise SpecError(f"{where}: not supported by the executor: shared experts ({stray[0]})")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
@@ -54,7 +69,8 @@ def spec_of(config: Any, name: str | None = None) -> ModelSpec:
     refuse = {"hidden_act": d.get("hidden_act", "silu") != "silu", "mlp_bias": bool(d.get("mlp_bias")),
               "attention_bias on o_proj (Llama)": arch == "llama" and bool(d.get("attention_bias")),
               "use_sliding_window": bool(d.get("use_sliding_window")),
-              "pretraining_tp": (d.get("pretraining_tp") or 1) != 1, "partial_rotary_factor": partial != 1.0}
+              "pretraining_tp": (d.get("pretraining_tp") or 1) != 1, "partial_rotary_factor": partial != 1.0,
+              "norm_topk_prob false": arch == "qwen3_moe" and not d.get("norm_topk_prob", False)}
     bad = [k for k, v in refuse.items() if v]
     if bad:
         raise SpecError(f"{where}: not supported by the executor: {', '.join(bad)}")

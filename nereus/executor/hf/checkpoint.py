@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> shard stores: load any (tp, pp, dp) layout's regions straight from
+"""Hugging Face checkpoints <-> shard stores: load any (tp, pp, dp, ep, etp) layout's regions straight from
 safetensors, gather a layout back into a Hugging Face state dict, write a directory that
 ``from_pretrained`` loads.
 
@@ -120,10 +120,12 @@ def host_group():
 
 def gather_state(store: ShardStore, model: ModelSpec, role: str, placement: StagePlacement, rank: int, *,
                  kind: str = "param", dst: int = 0, fused: bool = False, precision: str = "fp32",
-                 trainable: bool | None = None) -> dict[str, torch.Tensor] | None:
+                 trainable: bool | None = None, fused_experts: bool = False) -> dict[str, torch.Tensor] | None:
     """Collective over the world: ``role``'s ``kind`` regions (``param``, or ``master`` under
     ``bf16-mixed``) as a Hugging Face state dict on rank ``dst`` (None elsewhere), in the
-    regions' dtype; ``fused``: Megatron-style fused QKV and gate/up names (see ``names``). The
+    regions' dtype; ``fused``: Megatron-style fused QKV and gate/up names (see ``names``);
+    ``fused_experts``: routed experts as transformers 5.x's 3-D ``mlp.experts.gate_up_proj`` /
+    ``down_proj`` (default: the per-expert names ``save_pretrained`` writes). The
     pieces travel as host tensors on ``host_group()`` (the gloo side group under NCCL)."""
     trainable = role in TRAINABLE if trainable is None else trainable
     held = {g: [r for r in rank_regions(model, placement, g, role, trainable, precision) if r.kind == kind]
@@ -163,7 +165,7 @@ def gather_state(store: ShardStore, model: ModelSpec, role: str, placement: Stag
                           pieces[name])
         if why is not None:
             raise SpecError(f"gather of {role}/{kind} in {placement.name}: {why}")
-    return NameMap(model=model, head=head, fused_qkv=fused, fused_gate_up=fused).to_hf(full)
+    return NameMap(model=model, head=head, fused_qkv=fused, fused_gate_up=fused, fused_experts=fused_experts).to_hf(full)
 
 
 def write_checkpoint(directory: str | Path, state: Mapping[str, torch.Tensor], config: Any) -> Path:

@@ -18,6 +18,15 @@ Face tensors; a plain name is one block, a fused tensor gives each of its parts 
   hence one contiguous run of fused rows, as in Megatron;
 - fused gate/up ``mlp.gate_up_proj.weight`` = [gate; up] stacked on dim 0 (Megatron's
   ``linear_fc1`` saved at tp 1, Phi-3's ``gate_up_proj``): ``up_proj`` row r is fused row f + r.
+- Mixture of experts (Qwen3-MoE): the router ``mlp.gate.weight`` -> ``layers.{i}.mlp.router.weight``;
+  routed expert e, two spellings, both read (``for_keys`` tells them apart):
+  the hub's and ``save_pretrained``'s per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+  (plain names, the default when writing), or the fused 3-D tensors ``transformers`` 5.x keeps
+  in memory (``model.state_dict()``): ``mlp.experts.gate_up_proj`` [E, 2 f_e, h] with expert e's
+  gate rows [0, f_e) and up rows [f_e, 2 f_e) of ``gate_up_proj[e]``, and ``mlp.experts.down_proj``
+  [E, h, f_e] (``down_proj[e]`` is expert e's down_proj). A block holds ``RowBlock.index`` = e for
+  these: rows of the 2-D matrix at index e of dim 0. Worked example (f_e = 32): expert 5's
+  ``up_proj`` rows [16, 32) are ``gate_up_proj[5, 48:64]``.
 
 Torch is the only import; transformers is never needed here.
 """
@@ -48,6 +57,8 @@ class RowBlock:
     source_row: int
     row: int
     rows: int
+    index: int | None = None
+    """A 3-D source (fused experts): the rows are of ``source[index]``; None: of ``source`` itself."""
 
 
 def _plain(name: str) -> str:
@@ -57,8 +68,8 @@ def _plain(name: str) -> str:
     if name in fixed:
         return fixed[name]
     _, i, rest = name.split(".", 2)
-    rest = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}.get(
-        rest, rest.replace("attn.", "self_attn.", 1))
+    rest = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+            "mlp.router.weight": "mlp.gate.weight"}.get(rest, rest.replace("attn.", "self_attn.", 1))
     return f"model.layers.{i}.{rest}"
 
 
@@ -71,6 +82,9 @@ class NameMap:
     """``lm`` (causal LM) or ``value`` (critic: ``score.weight``)."""
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    fused_experts: bool = False
+    """Routed experts as transformers 5.x's 3-D ``mlp.experts.gate_up_proj`` / ``down_proj``
+    instead of the per-expert names (see the module docstring)."""
     blocks: Mapping[str, tuple[RowBlock, ...]] = field(init=False, repr=False, compare=False)
     """Inventory name -> its row blocks, in row order."""
     shapes: Mapping[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
@@ -83,6 +97,10 @@ class NameMap:
         for t in tensor_inventory(self.model, self.head):
             blocks[t.name] = self._blocks_of(t)
             for b in blocks[t.name]:
+                if b.index is not None:  # [E, rows, cols]
+                    rows = shapes.get(b.source, (0, 0))[1]
+                    shapes[b.source] = (self.model.experts, max(rows, b.source_row + b.rows)) + t.shape[1:]
+                    continue
                 rows = shapes.get(b.source, (0,))[0]
                 shapes[b.source] = (max(rows, b.source_row + b.rows),) + t.shape[1:]
         object.__setattr__(self, "blocks", blocks)
@@ -93,11 +111,17 @@ class NameMap:
         """The map matching a checkpoint's names: fused QKV / gate-up where its names say so."""
         keys = set(keys)
         return cls(model=model, head=head, fused_qkv=any(k.endswith("self_attn.qkv_proj.weight") for k in keys),
-                   fused_gate_up=any(k.endswith("mlp.gate_up_proj.weight") for k in keys))
+                   fused_gate_up=any(k.endswith("mlp.gate_up_proj.weight") for k in keys),
+                   fused_experts=any(k.endswith("mlp.experts.gate_up_proj") for k in keys))
 
     def _blocks_of(self, t: TensorInfo) -> tuple[RowBlock, ...]:
         rows = t.shape[0]
         part = t.name.rsplit(".", 2)[-2] if t.layer is not None else ""
+        if t.expert is not None:  # a routed expert: per-expert plain names, or the fused 3-D tensors
+            if not self.fused_experts:
+                return (RowBlock(_plain(t.name), 0, 0, rows),)
+            src = f"model.layers.{t.layer}.mlp.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+            return (RowBlock(src, rows if part == "up_proj" else 0, 0, rows, t.expert),)
         if self.fused_qkv and part in ("q_proj", "k_proj", "v_proj"):
             m = self.model
             per, d = m.heads // m.kv_heads, m.head_dim
@@ -120,7 +144,11 @@ class NameMap:
         for b in self.blocks[name]:
             a, z = max(lo, b.row), min(hi, b.row + b.rows)
             if a < z:
-                parts.append(fetch(b.source, (slice(b.source_row + a - b.row, b.source_row + z - b.row),) + rest))
+                rows = (slice(b.source_row + a - b.row, b.source_row + z - b.row),) + rest
+                if b.index is None:
+                    parts.append(fetch(b.source, rows))
+                else:  # a slice (not an int) on dim 0: safetensors' get_slice takes slices
+                    parts.append(fetch(b.source, (slice(b.index, b.index + 1),) + rows)[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
     def check(self, shapes: Mapping[str, tuple[int, ...]], equal_tied=None) -> None:
@@ -161,5 +189,8 @@ class NameMap:
                 dst = out.get(b.source)
                 if dst is None:
                     dst = out[b.source] = torch.empty(self.shapes[b.source], dtype=t.dtype)
-                dst[b.source_row:b.source_row + b.rows] = t[b.row:b.row + b.rows]
+                if b.index is None:
+                    dst[b.source_row:b.source_row + b.rows] = t[b.row:b.row + b.rows]
+                else:
+                    dst[b.index, b.source_row:b.source_row + b.rows] = t[b.row:b.row + b.rows]
         return out

@@ -6,9 +6,13 @@ into that layout (Adam moments against their seeded values), logits in the last 
 the last layout gathered back into a Hugging Face state dict on rank 0 (params, and the fp32
 master under ``bf16-mixed``). The parent compares logits with the ``transformers`` model and
 the gathered dict with the checkpoint.
+
+``moe_plan`` / ``random_moe_plan``: plans of a mixture-of-experts model with expert parallelism
+(ep, etp) on the actor's and ref's stages, for the tests and ``nereus reshard-check --arch qwen3_moe``.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +23,8 @@ from nereus.executor.layout import OPT_KINDS, stored
 from nereus.executor.scenario import reference, same_bits
 from nereus.executor.store import TORCH_DTYPES, ShardStore
 from nereus.models.spec import ModelSpec
-from nereus.planner.plan import Plan
+from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.specs import ParallelConfig
 from nereus.planner.transition.emu import head_of
 from nereus.planner.transition.types import Region, TransitionPlan
 
@@ -41,6 +46,8 @@ class HFCase:
     """Seed of the actor's Adam moments (random, so that moving them is checked bit for bit)."""
     fused: bool = False
     """Gather with Megatron-style fused QKV and gate/up names."""
+    fused_experts: bool = False
+    """Gather routed experts as transformers 5.x's 3-D tensors (default: per-expert names)."""
 
 
 def _expected(case: HFCase, ckpt: Checkpoint, r: Region) -> torch.Tensor:
@@ -77,8 +84,32 @@ def hf_chain(rank: int, world: int, cases: list[HFCase]) -> list[dict]:
         placement = case.plans[-1].home("actor")
         kinds = ("param", "master") if case.precision == "bf16-mixed" else ("param",)
         gathered = {k: gather_state(store, case.model, "actor", placement, rank, kind=k, fused=case.fused,
-                                    precision=case.precision) for k in kinds}
+                                    precision=case.precision, fused_experts=case.fused_experts) for k in kinds}
         out.append({"rank": rank, "mismatches": bad, "regions": len(store),
                     "logits": (first, last),
                     "gathered": gathered if rank == 0 else None})
     return out
+
+
+def moe_plan(tp: int = 1, pp: int = 1, dp: int = 1, *, ep: int = 1, etp: int = 1, first_gpu: int = 0, zero: int = 1,
+             micro_batch: int = 1) -> Plan:
+    """``scenario.make_plan`` with expert parallelism: actor training/inference and ref inference
+    on one pool under one (tp, pp, dp, ep, etp) config."""
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, ep=ep, etp=etp)
+    return Plan(stages=tuple(StagePlacement(name=s, config=cfg, pool=0, first_gpu=first_gpu, gpus=cfg.gpus)
+                             for s in ("actor/training", "actor/inference", "ref/inference")))
+
+
+def random_moe_plan(rng: random.Random, world: int, model: ModelSpec) -> Plan:
+    """A random MoE placement over part or all of the world: (tp, pp) as ``reshard-check``'s dense
+    rule, then ep | experts and etp | expert_ffn with ep * etp | tp * dp (Megatron)."""
+    g = rng.choice([n for n in (1, 2, 4, 8) if n <= world])
+    first = rng.randrange(0, world - g + 1)
+    tp = rng.choice([t for t in (1, 2, 4) if g % t == 0 and t <= model.kv_heads and model.heads % t == 0
+                     and model.ffn % t == 0 and model.expert_ffn % t == 0])
+    pp = rng.choice([p for p in (1, 2, 4) if (g // tp) % p == 0 and p <= model.layers])
+    dp = g // (tp * pp)
+    ep = rng.choice([e for e in (1, 2, 4, 8) if (tp * dp) % e == 0 and model.experts % e == 0])
+    etp = rng.choice([t for t in (1, 2, 4) if (tp * dp) % (ep * t) == 0 and model.expert_ffn % t == 0])
+    return moe_plan(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, first_gpu=first, zero=rng.choice((0, 1)),
+                    micro_batch=rng.choice((1, 2)))

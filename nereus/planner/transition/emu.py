@@ -15,6 +15,24 @@ regions its tp x pp GPUs hold. Rules (same as the executor's shard store):
   empty (a 1-row value head, dp > 1) holds nothing. ZeRO applies to training stages only.
 - Critic and reward models have ``head="value"``.
 
+- Mixture of experts (tensors with ``TensorInfo.expert`` set; ``expert_coords``): inside a
+  pipeline stage the tp x dp ranks are regrouped as etp x ep x expert-dp (Megatron-core
+  ``parallel_state``, expert order ``tp-ep-dp-pp``). With ``local = dp_rank * tp + tp_rank`` (the
+  rank's index among its stage's tp * dp GPUs, which are consecutive): ``etp_rank = local % etp``,
+  ``ep_rank = (local // etp) % ep``, ``edp_rank = local // (etp * ep)``, expert-dp = tp * dp /
+  (ep * etp). EP rank k holds the whole experts [k E/ep, (k+1) E/ep); inside each the etp rank
+  holds its slice as dense TP does (gate/up rows, down columns: ``tp_shard`` at etp). Routers,
+  attention, norms and shared experts stay under the dense rules (router replicated). ZeRO >= 1
+  shards an expert's optimizer kinds over the expert-dp group (``zero_box`` at edp, edp_rank);
+  ZeRO-3 over it too. A generation stage follows vLLM instead: experts are sliced over the
+  replica's tp ranks (ep 1: etp = tp) or whole on them (ep = tp: etp 1), so etp = tp // ep.
+  Worked example: E = 8 experts, tp = 2, dp = 2, ep = 2, etp = 1 (training): GPUs 0-3 have local
+  0-3 -> (etp, ep, edp) = (0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1): GPUs 0 and 2 hold experts
+  0-3 whole, GPUs 1 and 3 experts 4-7, and under ZeRO-1 GPU 2 holds rows [F/2, F) of the
+  optimizer state of expert 0's gate_proj (F rows), GPU 0 rows [0, F/2). With ep = 1, etp = 2
+  instead, GPUs 0 and 2 hold rows [0, F/2) of every expert's gate/up (columns of down), GPUs 1
+  and 3 the rest; with ep = etp = 1 and tp = 2 every GPU holds every expert whole (Megatron).
+
 Worked example: Llama-3.1-8B actor, tp=4 pp=1 dp=2 ZeRO-1, GPU 5 = (tp 1, dp 1). Its
 ``layers.0.attn.k_proj.weight`` param is rows [256, 512) x cols [0, 4096) (bf16); its master,
 exp_avg and exp_avg_sq are rows [384, 512) of that shard (fp32).
@@ -25,6 +43,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
+from nereus.errors import SpecError
 from nereus.models.inventory import TensorInfo, pp_layer_range, split_range, stage_tensors, tp_shard
 from nereus.models.spec import ModelSpec
 from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
@@ -82,6 +101,61 @@ def shard_box(t: TensorInfo, kind: str, p: StagePlacement, tp_rank: int, dp_rank
     return zero_box(box, p.config.dp, dp_rank) if dp_sharded(kind, p) else box
 
 
+def expert_layout(p: StagePlacement) -> tuple[int, int]:
+    """(ep, etp) experts are placed by under ``p``: the config's (Megatron) in training and
+    inference stages; in a generation stage vLLM's, etp = tp // ep (ep is 1 or tp there)."""
+    c = p.config
+    if p.stage == "generation":
+        if c.tp % c.ep:
+            raise SpecError(f"{p.name}: ep({c.ep}) must divide tp({c.tp}) in generation (vLLM places experts "
+                            f"over the replica's tp ranks)")
+        return c.ep, c.tp // c.ep
+    return c.ep, c.etp
+
+
+def expert_coords(p: StagePlacement, tp_rank: int, dp_rank: int) -> tuple[int, int, int, int]:
+    """(etp_rank, ep_rank, edp_rank, edp) of the GPU at (tp_rank, dp_rank) of ``p``'s pipeline
+    stage: local = dp_rank * tp + tp_rank regrouped etp fastest, then ep, then expert-dp (see the
+    module docstring for a worked example)."""
+    c = p.config
+    ep, etp = expert_layout(p)
+    if (c.tp * c.dp) % (ep * etp):
+        raise SpecError(f"{p.name}: ep({ep}) * etp({etp}) must divide tp({c.tp}) * dp({c.dp})")
+    local = dp_rank * c.tp + tp_rank
+    return local % etp, (local // etp) % ep, local // (etp * ep), c.tp * c.dp // (ep * etp)
+
+
+def expert_box(t: TensorInfo, experts: int, kind: str, p: StagePlacement, tp_rank: int, dp_rank: int) -> Box | None:
+    """Box of routed-expert tensor ``t`` (``t.expert`` set) on the GPU at (tp_rank, dp_rank) of
+    ``p``, None when its EP rank does not hold that expert or its ZeRO share is empty."""
+    ep, etp = expert_layout(p)
+    if experts % ep:
+        raise SpecError(f"{p.name}: ep({ep}) must divide the {experts} experts")
+    etp_rank, ep_rank, edp_rank, edp = expert_coords(p, tp_rank, dp_rank)
+    if t.expert // (experts // ep) != ep_rank:
+        return None
+    box = tp_box(t, etp, etp_rank)
+    c = p.config
+    sharded = edp > 1 and p.stage == "training" and c.zero >= (1 if kind in OPTIMIZER_KINDS else 3)
+    return zero_box(box, edp, edp_rank) if sharded else box
+
+
+@lru_cache(maxsize=65536)
+def expert_grid(shape: tuple[int, ...], tp_dim: int | None, expert: int, experts: int, kind: str,
+                p: StagePlacement) -> tuple[tuple[int, int, Box], ...]:
+    """(tp_rank, dp_rank, box) of every holding of a routed-expert tensor in one pipeline stage of
+    ``p`` (``_box_grid``'s form for the transition's pieces; ``kind`` only matters through
+    ZeRO, so callers pass ``param`` or an optimizer kind)."""
+    t = TensorInfo("t", shape, tp_dim, None, None, "layer", expert)
+    out = []
+    for dp_rank in range(p.config.dp):
+        for tp_rank in range(p.config.tp):
+            box = expert_box(t, experts, kind, p, tp_rank, dp_rank)
+            if box is not None:
+                out.append((tp_rank, dp_rank, box))
+    return tuple(out)
+
+
 @lru_cache(maxsize=4096)
 def layer_stages(layers: int, pp: int) -> tuple[int, ...]:
     """Pipeline stage of every layer: ``layer_stages(5, 2) == (0, 0, 1, 1, 1)``."""
@@ -121,7 +195,10 @@ def gpu_regions(model: ModelSpec, role: str, p: StagePlacement, tp_rank: int, pp
     out: list[Region] = []
     for t in stage_tensors(model, p.config.pp, pp_rank, head_of(role)):
         for kind, dtype in kinds:
-            box = shard_box(t, kind, p, tp_rank, dp_rank)
+            if t.expert is None:
+                box = shard_box(t, kind, p, tp_rank, dp_rank)
+            else:
+                box = expert_box(t, model.experts, kind, p, tp_rank, dp_rank)
             if box is not None:
                 out.append(Region(role, t.name, kind, box[0], box[1], dtype))
     return out

@@ -28,7 +28,8 @@ from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.models.inventory import TensorInfo, storage_dim, tensor_inventory
 from nereus.planner.cost.params import CostParams
-from nereus.planner.transition.emu import OPTIMIZER_KINDS, dp_sharded, head_of, kinds_of, layer_stages, stages_holding, tp_box, zero_box
+from nereus.planner.transition.emu import (OPTIMIZER_KINDS, dp_sharded, expert_grid, head_of, kinds_of, layer_stages,
+                                           stages_holding, tp_box, zero_box)
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.transition.regions import BoxIndex, intersect, volume
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
@@ -95,7 +96,8 @@ def _role_templates(job: JobSpec, role: str, pa: StagePlacement, pb: StagePlacem
         prefix = f"layers.{rep}."
         same_split: dict[tuple, list[TensorInfo]] = {}  # e.g. gate/up_proj, k/v_proj, the two norms
         for t in by_layer[rep]:
-            same_split.setdefault((t.shape, t.tp_dim, t.tp_max), []).append(t)
+            same_split.setdefault((t.shape, t.tp_dim, t.tp_max) + ((t.expert,) if t.expert is not None else ()),
+                                  []).append(t)  # a routed expert's placement depends on its index
         for ts in same_split.values():
             yield ts[0], tuple(f"layers.{i}.{t.name[len(prefix):]}" for t in ts for i in layers)
 
@@ -123,7 +125,8 @@ def _holder_map(job: JobSpec, role: str, t: TensorInfo, kind: str, p: StagePlace
     the source choice can cache per list object."""
     model, c = job.model(role), p.config
     out: dict[tuple, list[int]] = {}
-    grid = _box_grid(t.shape, t.tp_dim, t.tp_max, dp_sharded(kind, p), c.tp, c.dp)
+    grid = _box_grid(t.shape, t.tp_dim, t.tp_max, dp_sharded(kind, p), c.tp, c.dp) if t.expert is None else \
+        _expert_grid(t, model.experts, kind, p)
     for s in stages_holding(model, t, c.pp, head_of(role)):
         base = p.first_gpu + c.tp * c.dp * s
         for tp_rank, dp_rank, box in grid:
@@ -133,6 +136,12 @@ def _holder_map(job: JobSpec, role: str, t: TensorInfo, kind: str, p: StagePlace
             if len(v) > 1:
                 out[box] = intern.setdefault(tuple(v), v)
     return out
+
+
+def _expert_grid(t: TensorInfo, experts: int, kind: str, p: StagePlacement) -> tuple:
+    """``_box_grid`` of a routed-expert tensor (``emu.expert_grid``: EP by expert index, etp
+    inside the expert, ZeRO over expert-dp)."""
+    return expert_grid(t.shape, t.tp_dim, t.expert, experts, "exp_avg" if kind in OPTIMIZER_KINDS else kind, p)
 
 
 def _kind_groups(role: str, mixed_precision: bool, include_optimizer: bool) -> list[tuple[tuple[str, ...], str]]:
@@ -147,7 +156,7 @@ def same_holdings(pa: StagePlacement, pb: StagePlacement) -> bool:
     """True when two placements hold exactly the same regions on the same GPUs (ZeRO 1 and 2
     shard alike, see emu.py)."""
     ca, cb = pa.config, pb.config
-    return ((pa.first_gpu, ca.tp, ca.pp, ca.dp) == (pb.first_gpu, cb.tp, cb.pp, cb.dp)
+    return ((pa.first_gpu, ca.tp, ca.pp, ca.dp, ca.ep, ca.etp) == (pb.first_gpu, cb.tp, cb.pp, cb.dp, cb.ep, cb.etp)
             and all(dp_sharded(k, pa) == dp_sharded(k, pb) for k in ("param", "exp_avg")))
 
 
@@ -167,10 +176,26 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
                 out.templates.append(Template(role, names, kinds, dtype, storage_dim(t)))
-                cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
-                             (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
+                if t.expert is None:
+                    cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
+                                 (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
+                else:
+                    m = job.model(role)
+                    cuts = _box_cuts(tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pa)),
+                                     tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pb)))
                 _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa, intern), _holder_map(job, role, t, kinds[0], pb),
                                  cuts, DTYPE_BYTES[dtype] * len(names) * len(kinds))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _box_cuts(boxes_a: tuple, boxes_b: tuple) -> dict:
+    """``_cuts`` from the two box sets themselves (routed experts: ``_expert_grid``)."""
+    index = BoxIndex(sorted(set(boxes_a)))
+    out = {}
+    for box in sorted(set(boxes_b)):
+        cuts = ((sbox, intersect(box[0], box[1], sbox[0], sbox[1])) for sbox in index.overlapping(*box))
+        out[box] = tuple((sbox, cut, volume(cut[1])) for sbox, cut in cuts)
     return out
 
 
