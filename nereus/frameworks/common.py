@@ -12,7 +12,7 @@ import math
 import os
 import shlex
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -109,7 +109,8 @@ def describe(s: StagePlacement) -> str:
     c = s.config
     extra = "" if s.stage == "generation" else f", mb {c.micro_batch}" + (
         f", ZeRO-{c.zero}" + (", recompute" if c.recompute else "") if s.stage == "training" else "")
-    return f"{s.name}: {c.tp} x {c.pp} x {c.dp}{extra}, {gpu_range(s)}"
+    experts = f", ep {c.ep}" + (f" etp {c.etp}" if c.etp > 1 else "") if c.ep * c.etp > 1 else ""
+    return f"{s.name}: {c.tp} x {c.pp} x {c.dp}{extra}{experts}, {gpu_range(s)}"
 
 
 def gpu_range(s: StagePlacement) -> str:
@@ -209,13 +210,76 @@ class Closest:
     tried: tuple[tuple[str, float | None], ...]
 
 
+Repair = Callable[[object, Plan], list[tuple[str, Plan]]]
+"""``(problem, plan) -> [(label, plan)]``: ``plan`` with values the solver has no pin for (the expert
+layout) set to what the framework runs, to be re-evaluated (``evaluated``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Repaired:
+    """A solved plan with its expert layout set by hand and re-evaluated by ``evaluate_plan``: what
+    ``closest`` keeps of a PlanSolution (``plan``, ``objective``)."""
+
+    plan: Plan
+    objective: float
+    status: str = "REPAIRED"
+
+
+def with_expert_layout(plan: Plan, layouts: dict[str, tuple[int, int]], zero: int | None = None) -> Plan:
+    """``plan`` with the (ep, etp) of each model-stage in ``layouts`` (a trainable model's inference
+    stage follows its training stage, as it runs in that layout); ``zero``: the ZeRO stage of the
+    model-stages whose layout changes (experts unsharded by EP sharded by ZeRO-3 instead)."""
+    want = dict(layouts)
+    for name, lay in layouts.items():
+        if name in TRAINABLE_UNITS:
+            want.setdefault(name.replace("training", "inference"), lay)
+
+    def changed(c, lay):
+        return replace(c, ep=lay[0], etp=lay[1], **({} if zero is None else {"zero": zero}))
+
+    stages = tuple(replace(s, config=changed(s.config, want[s.name]))
+                   if s.name in want and (s.config.ep, s.config.etp) != want[s.name] else s for s in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def evaluated(problem, plan: Plan) -> Repaired | None:
+    """``plan`` with the times, memory and step time ``evaluate_plan`` gives it; None if it does not fit."""
+    from nereus.planner.solver import evaluate_plan
+
+    try:
+        ev = evaluate_plan(problem, plan)
+    except SpecError:  # a layout the cost model refuses
+        return None
+    if not ev.feasible:
+        return None
+    t, m = dict(ev.stage_time_s), dict(ev.stage_mem_gib)
+    stages = tuple(replace(s, time_s=t[s.name], mem_gib=m[s.name]) for s in plan.stages)
+    extras = tuple((k, ev.weight_sync_s if k == "weight_sync_s" else ev.phase_makespan_s if k == "phase_makespan_s"
+                    else v) for k, v in plan.extras)
+    out = replace(plan, stages=stages, step_time_s=ev.step_time_s, extras=extras)
+    return Repaired(plan=out, objective=ev.step_time_s)
+
+
 def closest(candidates: Iterable[tuple[str, object]], solve: Solve, gaps: Callable[[Plan], list[str]],
-            equalize: Callable[[object, Plan], list[tuple[str, object]]], framework: str) -> Closest:
+            equalize: Callable[[object, Plan], list[tuple[str, object]]], framework: str,
+            repair: Repair | None = None) -> Closest:
     """The fastest gap-free plan over ``candidates`` ((label, PlanProblem) pairs). A candidate whose
     plan still has gaps (values the framework shares between models differ) is re-solved with the
-    pins ``equalize`` proposes; raises InfeasibleError when nothing expressible fits."""
+    pins ``equalize`` proposes; a plan that still has gaps after that is handed to ``repair`` (the
+    expert layout, which the solver takes no pins for) and re-evaluated; raises InfeasibleError when
+    nothing expressible fits."""
     tried: list[tuple[str, float | None]] = []
     best: tuple[str, object] | None = None
+
+    def repaired(label: str, problem, plan: Plan) -> list[tuple[str, object]]:
+        out = []
+        for r_label, r_plan in (repair(problem, plan) if repair is not None else ()):
+            r = evaluated(problem, r_plan)
+            tried.append((f"{label}, {r_label}", None if r is None else r.objective))
+            if r is not None and not gaps(r.plan):
+                out.append((f"{label}, {r_label}", r))
+        return out
+
     for label, problem in candidates:
         sol = solve(problem)
         tried.append((label, sol.objective if sol.plan is not None else None))
@@ -223,11 +287,14 @@ def closest(candidates: Iterable[tuple[str, object]], solve: Solve, gaps: Callab
             continue
         found = [(label, sol)] if not gaps(sol.plan) else []
         if not found:
+            found += repaired(label, problem, sol.plan)
             for sub_label, sub in equalize(problem, sol.plan):
                 s2 = solve(sub)
                 tried.append((f"{label}, {sub_label}", s2.objective if s2.plan is not None else None))
                 if s2.plan is not None and not gaps(s2.plan):
                     found.append((f"{label}, {sub_label}", s2))
+                elif s2.plan is not None:
+                    found += repaired(f"{label}, {sub_label}", sub, s2.plan)
         for cand in found:
             if best is None or cand[1].objective < best[1].objective:
                 best = cand

@@ -14,6 +14,10 @@ What OpenRLHF 0.11.2 can express, and why (``openrlhf/cli/train_ppo_ray.py`` in 
 - One training micro-batch (``--train.micro_batch_size``) and one scoring micro-batch
   (``--rollout.micro_batch_size``) for all models; ``--actor.gradient_checkpointing_enable``
   also switches the critic's; ``--ds.adam_offload`` offloads every optimizer.
+- No expert parallelism: the DeepSpeed models are Hugging Face modules (``--ds.experts_implementation``
+  picks the expert kernel only, ``eager`` / ``grouped_mm`` / ...), so every rank holds every expert,
+  sharded only by ZeRO; ``create_vllm_engines`` (``trainer/ray/vllm_engine.py``) passes vLLM no
+  ``enable_expert_parallel``, so the engines split experts by tensor parallelism.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from dataclasses import replace
 
 from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, engine_notes, generation_memory_fraction,
                                       gpu_range, micro_batch_tokens, nodes_and_gpus, offloaded, overlap, packs_tokens,
-                                      same_gpus, units)
+                                      same_gpus, units, with_expert_layout)
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ParallelConfig
 
@@ -78,7 +82,7 @@ def parallel_gaps(plan: Plan) -> list[str]:
     ds = [u[n] for n in DEEPSPEED if n in u]
     train = [u[n] for n in TRAINABLE_UNITS if n in u]
     scoring = [plan.stage(s.name.replace("training", "inference")) if s.name in TRAINABLE_UNITS else s for s in ds]
-    out = []
+    out = expert_gaps(plan)
     if u[GEN].config.pp > 1:
         out.append(f"actor/generation uses pp {u[GEN].config.pp}: OpenRLHF's vLLM engines take a tensor-parallel "
                    f"size only (--vllm.tensor_parallel_size)")
@@ -112,6 +116,30 @@ def parallel_gaps(plan: Plan) -> list[str]:
         out.append("--ds.adam_offload offloads every optimizer; the plan offloads only "
                    + ", ".join(s.name for s in train if s.name in off))
     return out
+
+
+def expert_gaps(plan: Plan) -> list[str]:
+    """The expert layouts of ``plan`` OpenRLHF cannot express (none for a dense job: ep = etp = 1)."""
+    u = units(plan)
+    out = []
+    g = u[GEN].config
+    if g.ep * g.etp > 1:
+        out.append(f"actor/generation uses ep {g.ep}: OpenRLHF's vLLM engines run without expert parallelism "
+                   f"(create_vllm_engines passes no enable_expert_parallel); experts are split by "
+                   f"--vllm.tensor_parallel_size")
+    ds = [u[n] for n in DEEPSPEED if n in u and u[n].config.ep * u[n].config.etp > 1]
+    if ds:
+        out.append(", ".join(f"{s.name} ep{s.config.ep} etp{s.config.etp}" for s in ds)
+                   + ": OpenRLHF trains and scores Hugging Face modules with DeepSpeed, without expert parallelism "
+                     "(--ds.experts_implementation picks the expert kernel only); every rank holds every expert, "
+                     "sharded only by ZeRO")
+    return out
+
+
+def repair(problem, plan: Plan) -> list[tuple[str, Plan]]:
+    """``common.Repair``: the plan with every expert layout at ep = etp = 1 (what OpenRLHF runs)."""
+    lay = {s.name: (1, 1) for s in plan.stages if s.config.ep * s.config.etp > 1}
+    return [("experts unsharded", with_expert_layout(plan, lay))] if lay else []
 
 
 def gaps(plan: Plan) -> list[str]:
@@ -192,11 +220,20 @@ def equalize(problem, plan: Plan) -> list[tuple[str, object]]:
     tps = values(ds, lambda s: s.config.tp, actor.config.tp) + [1]
     mbs = values(ds, lambda s: s.config.micro_batch, actor.config.micro_batch)
     zeros = values(train, lambda s: s.config.zero, actor.config.zero) + [z for z in problem.candidates.zeros if z <= 2]
+    if any(s.config.ep * s.config.etp > 1 for s in plan.stages) and 3 in problem.candidates.zeros:
+        zeros = [3] + zeros  # without expert parallelism a MoE model's experts are sharded by ZeRO-3 only (tp 1)
     tps, zeros = list(dict.fromkeys(tps)), list(dict.fromkeys(zeros))
     rcs = values(train, lambda s: s.config.recompute, actor.config.recompute)
     offs = values(train, lambda s: s.name in off, actor.name in off)
     out = []
-    for tp, mb, zero, rc, of in itertools.product(tps, mbs, zeros, rcs, offs):
+    combos = itertools.product(tps, mbs, zeros, rcs, offs)
+    if zeros[0] == 3 and any(s.config.ep * s.config.etp > 1 for s in plan.stages):
+        combos = itertools.chain(itertools.product([1], mbs, [3], rcs, offs), combos)
+    seen = set()
+    for tp, mb, zero, rc, of in combos:
+        if (tp, mb, zero, rc, of) in seen:
+            continue
+        seen.add((tp, mb, zero, rc, of))
         if tp > 1 and zero > 2:
             continue
         pins = tuple((s.name, tp, 1) for s in ds)
@@ -214,7 +251,7 @@ def choose(problem, optimum: Plan, solve):
     found = gaps(optimum)
     if not found:
         return optimum, (), ()
-    c = closest(candidates(problem), solve, gaps, equalize, "OpenRLHF")
+    c = closest(candidates(problem), solve, gaps, equalize, "OpenRLHF", repair)
     return c.solution.plan, tuple(found), c.tried
 
 

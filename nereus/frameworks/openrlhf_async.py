@@ -101,7 +101,8 @@ def emit(problem, optimum: Plan, solve, *, dynamic_bsz: bool = False) -> Emissio
     if not sched_gaps and not found:
         plan, tried = optimum, ()
     else:
-        c = closest(candidates(problem, optimum), solve, gaps, openrlhf.equalize, "OpenRLHF (async)")
+        c = closest(candidates(problem, optimum), solve, gaps, openrlhf.equalize, "OpenRLHF (async)",
+                    openrlhf.repair)
         plan, tried = c.solution.plan, c.tried
         found = sched_gaps + gaps(optimum)
     notes = ("Ray picks which GPUs each model gets; the plan's pool sizes are kept (the vLLM engines apart).",

@@ -14,15 +14,29 @@ What verl 0.9.1 can express, and why (file names are inside the verl wheel):
 - FSDP engine (the default ``dp``): ZeRO-3, no TP, no PP (``ulysses_sequence_parallel_size``
   splits sequences, not weights; emitted as 1).
 - Micro-batches, recomputation and optimizer offload are per model.
+- Mixture-of-experts models (``trainer/config/_generated_ppo_megatron_trainer.yaml``): Megatron's
+  expert layout is ``<role>.megatron.expert_model_parallel_size`` / ``expert_tensor_parallel_size``
+  (the latter emitted always for a MoE model, since its default ``null`` means "= TP" to Megatron,
+  not Nereus's etp 1). Like TP x PP it belongs to the one Megatron parallel state, so the MoE models
+  among actor, ref and critic share one (ep, etp) (the ref's keys default to the actor's by
+  ``oc.select``). The FSDP engine (strategy ``fsdp`` / ``fsdp2``) has no expert parallelism: every
+  rank holds every expert, sharded by ZeRO-3 (``fsdp_config.turbo_config.distributed.expert_parallel_size``
+  is the ``fsdp_turbo`` strategy's, which needs the ``fsdp_turbo`` package outside verl).
+- Rollout expert parallelism: ``actor_rollout_ref.rollout.expert_parallel_size`` (vLLM's
+  ``enable_expert_parallel`` when > 1, ``vllm_async_server.py``; SGLang's ``ep_size``), which
+  ``workers/config/rollout.py`` requires to equal tensor_model_parallel_size x data_parallel_size
+  (data_parallel_size 1 as emitted): ep 1 or the rollout's TP. The reward model's vLLM servers
+  likewise (``reward.reward_model.rollout.expert_parallel_size``).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from nereus.errors import InfeasibleError
+from nereus.errors import InfeasibleError, SpecError
 from nereus.frameworks.common import (GEN, TRAINABLE_UNITS, Emission, closest, engine_notes, flag, gpu_range,
                                       generation_memory_fraction, nodes_and_gpus, offloaded, overlap, same_gpus,
-                                      micro_batch_tokens, packs_tokens, stage_memory_fraction, units)
+                                      micro_batch_tokens, packs_tokens, stage_memory_fraction, units,
+                                      with_expert_layout)
 from nereus.planner.cost.model import controller_transfer_s
 from nereus.planner.plan import Plan
 
@@ -54,10 +68,89 @@ def placement_gaps(plan: Plan) -> list[str]:
     return out
 
 
-def engine_gaps(plan: Plan, engine: str) -> list[str]:
+def _is_moe(s, job) -> bool:
+    """Whether the model of ``s`` is a mixture of experts (without the job: whether its plan uses an
+    expert layout)."""
+    return job.model(s.role).is_moe if job is not None else s.config.ep * s.config.etp > 1
+
+
+def _experts(s) -> str:
+    return f"{s.name} ep{s.config.ep} etp{s.config.etp}"
+
+
+def vllm_expert_layouts(s) -> list[tuple[int, int]]:
+    """(ep, etp) a verl vLLM server of ``s``'s TP runs. Generation (priced with vLLM semantics):
+    ep 1 (experts split by TP) or tp. A Megatron-priced scoring stage on vLLM (the reward model):
+    (1, tp) for vLLM's TP-split experts, (tp, 1) for its expert parallelism."""
+    tp = s.config.tp
+    if s.stage == "generation":
+        return sorted({(1, 1), (tp, 1)})
+    return sorted({(1, tp), (tp, 1)})
+
+
+def expert_gaps(plan: Plan, engine: str, job=None) -> list[str]:
+    """The expert layouts of ``plan`` that verl with ``engine`` cannot express (none for a dense job)."""
+    u = units(plan)
+    shared = [u[n] for n in SHARED if n in u and _is_moe(u[n], job)]
+    out = []
+    if engine == "megatron":
+        if len({(s.config.ep, s.config.etp) for s in shared}) > 1:
+            out.append(f"{', '.join(_experts(s) for s in shared)}: verl's Megatron engine builds actor, ref and critic "
+                       f"in one process per GPU with one Megatron parallel state, so their experts share one "
+                       f"expert_model_parallel_size x expert_tensor_parallel_size")
+    else:
+        out += [f"{_experts(s)}: verl's FSDP engine (strategy fsdp/fsdp2) has no expert parallelism; every rank holds "
+                f"every expert, sharded by ZeRO-3 (turbo_config.distributed.expert_parallel_size belongs to the "
+                f"fsdp_turbo strategy, which needs the fsdp_turbo package outside verl)"
+                for s in shared if s.config.ep * s.config.etp > 1]
+    for name, key in ((GEN, "actor_rollout_ref.rollout"), ("reward/inference", "reward.reward_model.rollout")):
+        s = u.get(name)
+        if s is None or not _is_moe(s, job) or (s.config.ep, s.config.etp) in vllm_expert_layouts(s):
+            continue
+        out.append(f"{_experts(s)} at tp{s.config.tp}: verl's vLLM servers run experts split by tensor parallelism "
+                   f"or expert-parallel over one server's TP group ({key}.expert_parallel_size must equal "
+                   f"tensor_model_parallel_size x data_parallel_size, workers/config/rollout.py)")
+    return out
+
+
+def repair(engine: str, job):
+    """``common.Repair`` for verl with ``engine``: the expert layouts verl runs. Megatron: each
+    (ep, etp) one of the shared MoE models chose, for all of them; FSDP: none (ep = etp = 1);
+    generation / reward servers: the nearest vLLM layout."""
+    def fix(problem, plan: Plan) -> list[tuple[str, Plan]]:
+        u = units(plan)
+        shared = [n for n in SHARED if n in u and _is_moe(u[n], job)]
+        servers = {}
+        for name in (GEN, "reward/inference"):
+            s = u.get(name)
+            if s is not None and _is_moe(s, job) and (s.config.ep, s.config.etp) not in vllm_expert_layouts(s):
+                servers[name] = vllm_expert_layouts(s)[-1 if s.config.ep > 1 else 0]
+        if engine == "megatron":
+            own = list(dict.fromkeys((u[n].config.ep, u[n].config.etp) for n in shared))
+            fixes = [(f"experts at ep{ep} etp{etp} for {', '.join(x.split('/')[0] for x in shared)}",
+                      {n: (ep, etp) for n in shared}) for ep, etp in own] if len(own) > 1 else [("", {})]
+        else:  # FSDP shards every model it builds (the ref too) over all ranks
+            fixes = [("experts unsharded (ZeRO-3)", {n: (1, 1) for n in shared})]
+        out = []
+        for label, lay in fixes:
+            lay = dict(lay, **servers)
+            if not lay or all((u[n].config.ep, u[n].config.etp) == v for n, v in lay.items()):
+                continue
+            try:
+                p = with_expert_layout(with_expert_layout(plan, {n: v for n, v in lay.items() if n in SHARED},
+                                                          zero=3 if engine == "fsdp" else None),
+                                       {n: v for n, v in lay.items() if n not in SHARED})
+            except SpecError:  # a layout one model-stage's tp x dp cannot hold
+                continue
+            out.append((label or "vLLM expert layout", p))
+        return out
+    return fix
+
+
+def engine_gaps(plan: Plan, engine: str, job=None) -> list[str]:
     u = units(plan)
     shared = [u[n] for n in SHARED if n in u]
-    out = []
+    out = expert_gaps(plan, engine, job)
     if engine == "megatron":
         layouts = {(s.config.tp, s.config.pp) for s in shared}
         if len(layouts) > 1:
@@ -95,9 +188,10 @@ def _cp(s) -> int:
     return s.config.cp
 
 
-def gaps(plan: Plan, engine: str) -> list[str]:
-    """Everything of ``plan`` that verl with ``engine`` cannot express, one sentence each."""
-    return placement_gaps(plan) + engine_gaps(plan, engine)
+def gaps(plan: Plan, engine: str, job=None) -> list[str]:
+    """Everything of ``plan`` that verl with ``engine`` cannot express, one sentence each (``job``
+    tells MoE models from dense ones; without it a model counts as MoE where its plan has ep * etp > 1)."""
+    return placement_gaps(plan) + engine_gaps(plan, engine, job)
 
 
 # ---- the closest plan verl can express -------------------------------------------------------
@@ -136,15 +230,17 @@ def choose(problem, optimum: Plan, solve, engine: str = "auto"):
     """(engine, plan, gaps of the optimum, tried): the optimum when an engine expresses it, else the
     fastest closest plan over the engines allowed."""
     engines = ENGINES if engine == "auto" else (engine,)
+    job = problem.job
     for e in engines:
-        if not gaps(optimum, e):
+        if not gaps(optimum, e, job):
             return e, optimum, (), ()
     best = None
     tried: list = []
     errors = []
     for e in engines:
         try:
-            c = closest(candidates(problem, e), solve, lambda p, e=e: gaps(p, e), equalize, f"verl ({e})")
+            c = closest(candidates(problem, e), solve, lambda p, e=e: gaps(p, e, job), equalize, f"verl ({e})",
+                        repair(e, job))
         except InfeasibleError as err:  # the other engine may still fit
             errors.append(str(err))
             continue
@@ -154,7 +250,7 @@ def choose(problem, optimum: Plan, solve, engine: str = "auto"):
     if best is None:
         raise InfeasibleError("; ".join(errors))
     e, c = best
-    return e, c.solution.plan, tuple(gaps(optimum, e)), tuple(tried)
+    return e, c.solution.plan, tuple(gaps(optimum, e, job)), tuple(tried)
 
 
 # ---- overrides -----------------------------------------------------------------------------
@@ -182,6 +278,8 @@ def overrides(problem, plan: Plan, engine: str, *, dynamic_bsz: bool = False) ->
     out += [("actor_rollout_ref.rollout.name", ROLLOUT_NAME.get(job.rollout.engine, "vllm")),
             ("actor_rollout_ref.rollout.tensor_model_parallel_size", str(g.config.tp)),
             ("actor_rollout_ref.rollout.pipeline_model_parallel_size", str(g.config.pp)),
+            *((("actor_rollout_ref.rollout.expert_parallel_size", str(g.config.ep)),)
+              if job.model("actor").is_moe else ()),
             ("actor_rollout_ref.rollout.gpu_memory_utilization",
              f"{generation_memory_fraction(job, cluster, plan, w, params):.2f}"),
             # the plan was priced with (or without) CUDA graphs as the job says: keep verl on the same
@@ -189,14 +287,14 @@ def overrides(problem, plan: Plan, engine: str, *, dynamic_bsz: bool = False) ->
     off = offloaded(plan)
     for name in SHARED:
         if name in u:
-            out += _engine_keys(ROLE_PREFIX[name], u[name], engine, name in off)
+            out += _engine_keys(ROLE_PREFIX[name], u[name], engine, name in off, job.model(name.split("/")[0]).is_moe)
     out += _batch_keys(plan, engine, w, dynamic_bsz)
     if "reward/inference" in u:
         out += _reward_keys(problem, plan)
     return tuple(out)
 
 
-def _engine_keys(prefix: str, s, engine: str, offload: bool) -> list[tuple[str, str]]:
+def _engine_keys(prefix: str, s, engine: str, offload: bool, moe: bool = False) -> list[tuple[str, str]]:
     c = s.config
     trainable = s.name in TRAINABLE_UNITS
     model = "actor_rollout_ref.model" if prefix.startswith("actor_rollout_ref") else "critic.model"
@@ -204,6 +302,9 @@ def _engine_keys(prefix: str, s, engine: str, offload: bool) -> list[tuple[str, 
         out = [(f"{prefix}.megatron.tensor_model_parallel_size", str(c.tp)),
                (f"{prefix}.megatron.pipeline_model_parallel_size", str(c.pp)),
                (f"{prefix}.megatron.context_parallel_size", str(_cp(s)))]
+        if moe:  # etp always: Megatron reads verl's default null as etp = tp
+            out += [(f"{prefix}.megatron.expert_model_parallel_size", str(c.ep)),
+                    (f"{prefix}.megatron.expert_tensor_parallel_size", str(c.etp))]
         if trainable:
             out += [(f"{prefix}.megatron.use_distributed_optimizer", flag(c.zero >= 1)),
                     (f"{prefix}.megatron.optimizer_offload", flag(offload))]
@@ -258,6 +359,7 @@ def _reward_keys(problem, plan: Plan) -> list[tuple[str, str]]:
     out = [(f"{rm}.enable", "true"), (f"{rm}.rollout.name", "vllm"),
            (f"{rm}.rollout.tensor_model_parallel_size", str(r.config.tp)),
            (f"{rm}.rollout.pipeline_model_parallel_size", str(r.config.pp)),
+           *(((f"{rm}.rollout.expert_parallel_size", str(r.config.ep)),) if problem.job.model("reward").is_moe else ()),
            (f"{rm}.rollout.gpu_memory_utilization",
             f"{stage_memory_fraction(problem.job, problem.cluster, r, problem.workload, problem.params):.2f}")]
     if not same_gpus(r, g):

@@ -100,9 +100,10 @@ def placement_gaps(plan: Plan, cluster, kind: str) -> list[str]:
     return out
 
 
-def gaps(plan: Plan, engine: str, cluster, kind: str) -> list[str]:
-    """Everything of the async ``plan`` that verl's ``kind`` trainer with ``engine`` cannot express."""
-    return placement_gaps(plan, cluster, kind) + verl.engine_gaps(plan, engine)
+def gaps(plan: Plan, engine: str, cluster, kind: str, job=None) -> list[str]:
+    """Everything of the async ``plan`` that verl's ``kind`` trainer with ``engine`` cannot express
+    (``job``: as ``verl.gaps``)."""
+    return placement_gaps(plan, cluster, kind) + verl.engine_gaps(plan, engine, job)
 
 
 # ---- the closest plan verl can express -------------------------------------------------------
@@ -124,14 +125,15 @@ def choose(problem, optimum: Plan, solve, engine: str, kind: str):
     """(engine, plan, gaps of the optimum, tried), as ``verl.choose`` but for the async trainers."""
     engines = verl.ENGINES if engine == "auto" else (engine,)
     cluster = problem.cluster
+    job = problem.job
     for e in engines:
-        if not gaps(optimum, e, cluster, kind):
+        if not gaps(optimum, e, cluster, kind, job):
             return e, optimum, (), ()
     best, tried, errors = None, [], []
     for e in engines:
         try:
-            c = closest(candidates(problem, e, optimum), solve, lambda p, e=e: gaps(p, e, cluster, kind),
-                        verl.equalize, f"verl {kind} ({e})")
+            c = closest(candidates(problem, e, optimum), solve, lambda p, e=e: gaps(p, e, cluster, kind, job),
+                        verl.equalize, f"verl {kind} ({e})", verl.repair(e, job))
         except InfeasibleError as err:
             errors.append(str(err))
             continue
@@ -141,7 +143,7 @@ def choose(problem, optimum: Plan, solve, engine: str, kind: str):
     if best is None:
         raise InfeasibleError("; ".join(errors))
     e, c = best
-    return e, c.solution.plan, tuple(gaps(optimum, e, cluster, kind)), tuple(tried)
+    return e, c.solution.plan, tuple(gaps(optimum, e, cluster, kind, job)), tuple(tried)
 
 
 # ---- overrides -------------------------------------------------------------------------------
