@@ -126,11 +126,16 @@ class Plan:
                 raise SpecError(f"plan: pool {s.pool} is [{prev[0]}, +{prev[1]}) for one model-stage and "
                                 f"[{s.first_gpu}, +{s.gpus}) for {s.name}")
         object.__setattr__(self, "_num_gpus", max((s.first_gpu + s.gpus for s in self.stages), default=0))
+        # expert layouts (ep, etp) move state like tp does; the schedule (sync or async) changes the step
+        sched = dict(self.extras).get("schedule")
+        kind = sched.get("kind", "sync") if isinstance(sched, Mapping) else "sync"
         object.__setattr__(self, "_layout_key", tuple(
-            (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero) for s in self.stages))
+            (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero, s.config.ep,
+             s.config.etp) for s in self.stages) + (kind,))
         object.__setattr__(self, "_key", tuple(
             (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch, s.config.zero,
-             s.config.recompute, s.config.sp, s.config.cp, s.config.token_budget) for s in self.stages))
+             s.config.recompute, s.config.sp, s.config.cp, s.config.token_budget, s.config.ep, s.config.etp)
+            for s in self.stages) + (kind,))
 
     def __iter__(self) -> Iterator[StagePlacement]:
         return iter(self.stages)
@@ -150,7 +155,8 @@ class Plan:
         return self._num_gpus
 
     def layout_key(self) -> tuple:
-        """What a transition must change: pools and (tp, pp, dp, zero) of every model-stage."""
+        """What a transition must change: pools and (tp, pp, dp, zero, ep, etp) of every model-stage, and
+        the schedule."""
         return self._layout_key
 
     def key(self) -> tuple:
