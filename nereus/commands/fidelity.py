@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         if s["category"] == "memory" and "within_25pct" in s:
             con.print(f"memory ({s['split']}): {s['predicted']} rows, within 15% {s['within_15pct']:.0%}, within 25% "
                       f"{s['within_25pct']:.0%}, median |error| {s['median_abs_error']:.1%}, median ratio {s['median_ratio']:.3f}")
+    for s in summarize(preds):
+        if s["category"] == "moe":  # mixture-of-experts runs at the expert layout their source states
+            con.print(f"moe ({s['split']}): {s['rows']} rows, {s['predicted']} predicted"
+                      + (f", within 2x {s['within_2x']:.0%}, median error {s['median_error']:.2f}x" if s["predicted"] else ""))
     _async_speedups(con, load_corpus(args.corpus), preds, params_for)
     skipped = sum(1 for p in preds if p.predicted is None)
     if skipped:

@@ -17,14 +17,17 @@ from nereus.errors import SpecError
 from nereus.jsonio import naming
 from nereus.planner.specs import MAX_GPUS
 
-CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "host", "async", "memory")
+CATEGORIES = ("decode", "prefill", "collectives", "training", "rl_stages", "host", "async", "memory", "moe")
 """``host``: framework time on the CPU that FLOP and byte counts miss: an inference engine's per
 decode iteration outside the forward (scheduler, input preparation, sampling, output processing)
 at a stated batch; eager PyTorch's per decoder layer and pass; FSDP's hooks per unit and pass.
 ``async``: asynchronous RL runs (rollout and trainer on disjoint pools), always held out.
 ``memory``: published peak memory per GPU with its configuration (a training step's allocator peak,
-allocated or reserved; an inference engine's weights and KV-cache pool at its memory fraction)."""
-HELDOUT_ONLY = ("async",)
+allocated or reserved; an inference engine's weights and KV-cache pool at its memory fraction).
+``moe``: mixture-of-experts runs with their expert layout (ep / etp as the source states), always
+held out; the other categories' files keep their MoE rows unpredicted (``catalog.resolve_model``),
+so no fit reads a MoE measurement."""
+HELDOUT_ONLY = ("async", "moe")
 """Categories no fit may ever read: a row of them in the fit split is refused."""
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
            "derived", "split", "notes")

@@ -9,7 +9,8 @@ plans with (``nereus.planner.cost``), fed the row's configuration.
 - training: ``estimate(actor/training)`` of one optimizer step of the row's global batch (FP8 rows:
   the layers' GEMMs in FP8, ``StageOptions.fp8_linear``);
 - RL stages: ``estimate`` of the matching model-stage of a job built from the row's config;
-- async: the step (or a pool's timing) of the row's two-pool asynchronous plan (``async_rows``).
+- async: the step (or a pool's timing) of the row's two-pool asynchronous plan (``async_rows``);
+- moe: a mixture-of-experts RL row's step at the expert layout the source states (``_moe``).
 
 A row the model cannot express (request-rate serving runs, dataset-driven lengths, MoE models,
 unknown hardware, an RL row without its mean response length) gets no prediction and a reason.
@@ -549,6 +550,56 @@ def _memory(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     return peak / GiB
 
 
+# ---- mixture-of-experts runs ---------------------------------------------------------------------------
+def moe_stage_configs(row: Row, gpus: int) -> tuple[ParallelConfig, ParallelConfig]:
+    """(training / scoring layout, generation layout) of a ``moe`` RL row: Megatron tp, cp, pp with
+    the source's ep and etp (etp 1 where unstated, Megatron's and NeMo's default), dp the rest (cp
+    taken from the data-parallel ranks, as ``_training`` does); vLLM generation at rollout_tp /
+    rollout_pp with ``rollout_ep`` (1, vLLM's default, where unstated)."""
+    tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
+    if gpus % (tp * pp * cp):
+        raise Unsupported(f"tp*pp*cp = {tp * pp * cp} does not divide {gpus} GPUs")
+    dp = gpus // (tp * pp)
+    train = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, zero=1, micro_batch=_int(row, "micro_batch_per_gpu", 1),
+                           recompute=_flag(row, "grad_ckpt", True), ep=_int(row, "ep", 1), etp=_int(row, "etp", 1))
+    rtp, rpp = _int(row, "rollout_tp", tp), _int(row, "rollout_pp", 1)
+    if gpus % (rtp * rpp):
+        raise Unsupported(f"rollout tp*pp = {rtp * rpp} does not divide {gpus} GPUs")
+    gen = ParallelConfig(tp=rtp, pp=rpp, dp=gpus // (rtp * rpp), ep=_int(row, "rollout_ep", 1))
+    return train, gen
+
+
+def _moe(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """A mixture-of-experts RL row (``kind=rl``): the model from its preset (``nereus.models``), the
+    job from the row as for ``rl_stages`` (``rl_job``), every model-stage at the row's expert layout
+    (``moe_stage_configs``), generation and weight sync colocated; ``stage=step`` sums them."""
+    from nereus.models.spec import preset
+
+    if row.get("kind") != "rl":
+        raise Unsupported(f"moe row kind {row.get('kind')!r} not modelled")
+    try:
+        model = preset(row.get("preset") or "")
+    except NereusError as e:
+        raise Unsupported(f"no MoE preset {row.get('preset')!r}: {str(e).splitlines()[0]}") from None
+    gpus = row.gpus
+    if not gpus:
+        raise Unsupported("GPU count not stated")
+    job, w = rl_job(row, model)
+    cluster = _replica_cluster(gpu, gpus)
+    train, gen = moe_stage_configs(row, gpus)
+    times = {}
+    for ms in job.model_stages():
+        cfg = gen if ms.endswith("generation") else train
+        times[ms] = estimate(job, cluster, ms, cfg, w, p).time_s
+    sync = weight_sync_s(model, train, gen, cluster, True, p)
+    stage = row.get("stage", "")
+    if stage == "step":
+        return sum(times.values()) + sync
+    if stage in RL_STAGES and RL_STAGES[stage] in times:
+        return times[RL_STAGES[stage]]
+    raise Unsupported(f"moe RL stage {stage!r} not modelled")
+
+
 _PREDICTORS = {"decode": _decode, "prefill": _prefill, "collectives": _collective, "training": _training,
                "rl_stages": _rl, "host": _host, "async": _async,
-               "memory": _memory}
+               "memory": _memory, "moe": _moe}

@@ -82,7 +82,7 @@ def scatter(preds: list[Prediction], path: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 6))
-    colours = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")))
+    colours = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")))
     lo, hi = float("inf"), 0.0
     for cat in CATEGORIES:
         for split, face in (("fit", None), ("heldout", "none")):

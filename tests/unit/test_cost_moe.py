@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 
 import pytest
 
@@ -205,3 +206,55 @@ def test_whole_experts_drop_the_moe_blocks_mlp_tp_collectives():
     etp = estimate(job, c, "actor/training", ParallelConfig(tp=2, dp=16, ep=1, etp=2))
     whole = estimate(job, c, "actor/training", ParallelConfig(tp=2, dp=16, ep=8))
     assert whole.time_breakdown["tp_comm"] == pytest.approx(etp.time_breakdown["tp_comm"] / 2)
+
+
+def test_all_to_all_across_nodes_sends_the_local_peers_share_over_nvlink():
+    """ep 16 on two 8-GPU nodes: 7/16 of a rank's bytes go to peers on its node (NVLink), 8/16 to the
+    other node (scale-out), concurrently; not all 15/16 over the scale-out link."""
+    from nereus.planner.cost.comm import links
+    from nereus.planner.cost.params import latency_steps
+
+    c, p, m = load_cluster(C4), CostParams(), preset("qwen3-30b-a3b")
+    intra, inter = links(c, p)
+    for cfg, local in ((ParallelConfig(tp=1, dp=32, ep=16), 8), (ParallelConfig(tp=2, dp=16, ep=8, etp=2), 4)):
+        nbytes = 1000 * 8 * 2048 * 2 * moe.CAPACITY_FACTOR
+        n = cfg.ep
+        want = latency_steps(n) * p.allreduce_latency_s + max((local - 1) / n * nbytes / intra,
+                                                               (n - local) / n * nbytes / inter)
+        assert moe.ep_a2a_s(m, cfg, 1000, c, p) == pytest.approx(want)
+        old = (n - 1) / n * nbytes / inter  # everything over the scale-out link, as before
+        assert moe.ep_a2a_s(m, cfg, 1000, c, p) < 0.6 * old + latency_steps(n) * p.allreduce_latency_s
+
+
+# ---- fidelity: the corpus's MoE rows, held out --------------------------------------------------------
+def test_moe_fidelity_rows_held_out_and_predicted_at_their_stated_layout(tmp_path):
+    from nereus.fidelity.corpus import HELDOUT_ONLY, load_corpus, load_file
+    from nereus.fidelity.predict import moe_stage_configs
+    from nereus.fidelity.report import evaluate, fitted_params, summarize
+
+    rows = [r for r in load_corpus() if r.category == "moe"]
+    assert len(rows) >= 3 and "moe" in HELDOUT_ONLY and all(r.split == "heldout" for r in rows)
+    bad = tmp_path / "moe.csv"
+    text = (load_corpus.__globals__["DEFAULT_DIR"] / "moe.csv").read_text().splitlines()
+    bad.write_text("\n".join([text[0], text[1].replace(",heldout,", ",fit,")]) + "\n")
+    with pytest.raises(SpecError, match="held out from every fit"):
+        load_file(bad, "moe")
+    r30 = next(r for r in rows if r.id == "moe-nemorl-001")
+    train, gen = moe_stage_configs(r30, r30.gpus)
+    assert (train.tp, train.dp, train.ep, train.etp, gen.tp, gen.ep) == (2, 16, 8, 1, 4, 1)  # NeMo RL's [TP2 EP8], vLLM TP4
+    preds = {p.row.id: p for p in evaluate(rows, fitted_params)}
+    assert 0.5 <= preds["moe-nemorl-001"].ratio <= 2
+    assert "TP stays inside a node" in preds["moe-nemorl-003"].reason  # generation TP 32 across nodes: named, not guessed
+    s = next(x for x in summarize(list(preds.values())) if x["category"] == "moe")
+    assert s["split"] == "heldout" and s["rows"] == len(rows) and s["predicted"] >= 1 and "median_error" in s
+
+
+def test_nereus_fidelity_reports_the_moe_category():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys; from nereus.cli import main; sys.exit(main())", "fidelity",
+                          "--split", "heldout"], capture_output=True, text=True, timeout=600, env={
+        **__import__("os").environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"moe \(heldout\): \d+ rows, \d+ predicted, within 2x \d+%, median error [\d.]+x", out.stdout)

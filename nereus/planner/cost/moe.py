@@ -36,8 +36,9 @@ Time.
 - All-to-all (``ep_a2a_s``): per MoE layer of the stage, a dispatch and a combine in the forward
   and again in the backward (+2 with full recompute; 2 in an inference pass), each moving
   tokens_rank * k * h * bytes per rank (each token goes to k experts; ``alltoall_s``: (n-1)/n of it
-  leaves the rank) over the EP group, at the intra-node link inside a node and the scale-out link
-  across nodes (the profile's fitted link efficiencies; DeepEP's published H800 numbers, about
+  leaves the rank) over the EP group, at the intra-node link inside a node; across nodes the
+  share bound for the rank's own node's peers over NVLink while the remote share leaves over the
+  scale-out link, concurrently (the slower sets the time; the profile's fitted link efficiencies; DeepEP's published H800 numbers, about
   153-158 GB/s NVLink inside a node and 43-58 GB/s RDMA across 2-8 nodes against about 50 GB/s
   per NIC, show an optimised all-to-all near those links' rates). With tp > 1 Megatron requires
   sequence parallelism for MoE, so a rank dispatches its 1/tp of the micro-batch's tokens.
@@ -67,8 +68,8 @@ import math
 
 from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec
-from nereus.planner.cost.comm import group_bw
-from nereus.planner.cost.params import CostParams, alltoall_s
+from nereus.planner.cost.comm import group_bw, links
+from nereus.planner.cost.params import CostParams, alltoall_s, latency_steps
 from nereus.planner.specs import ClusterSpec, ParallelConfig
 
 CAPACITY_FACTOR = 1.25
@@ -209,7 +210,19 @@ def ep_a2a_s(model: ModelSpec, cfg: ParallelConfig, tokens_rank: float, cluster:
     if cfg.ep <= 1:
         return 0.0
     nbytes = tokens_rank * model.experts_per_token * model.hidden * model.dtype_bytes * imbalance(cfg)
-    return alltoall_s(nbytes, cfg.ep, group_bw(cluster, ep_span(cfg), p), p.allreduce_latency_s)
+    span = ep_span(cfg)
+    if span <= cluster.gpus_per_node:
+        return alltoall_s(nbytes, cfg.ep, group_bw(cluster, span, p), p.allreduce_latency_s)
+    # Across nodes a rank's peers on its own node still take their share over NVLink, at the same
+    # time as the remote peers' share leaves over the scale-out link: an all-to-all is per-peer
+    # sends and receives (NCCL's ncclSend/ncclRecv group, P2P over NVLink inside a node, the network
+    # across), and DeepEP's internode kernels likewise forward over NVLink while RDMA carries the
+    # remote share (its README reports internode dispatch/combine by the RDMA bytes alone). Before,
+    # all (n-1)/n of the bytes were priced at the scale-out link (1.9x too much at ep 16 on 2 nodes).
+    intra, inter = links(cluster, p)
+    n, local = cfg.ep, max(1, cluster.gpus_per_node // cfg.etp)
+    return (latency_steps(n) * p.allreduce_latency_s
+            + max((local - 1) / n * nbytes / intra, (n - local) / n * nbytes / inter))
 
 
 def decode_expert_fraction(model: ModelSpec, tokens: float) -> float:
@@ -223,13 +236,3 @@ def decode_expert_fraction(model: ModelSpec, tokens: float) -> float:
 def expected_distinct_experts(model: ModelSpec, tokens: float) -> float:
     """E * (1 - (1 - k/E)^tokens): distinct experts of one block a batch of ``tokens`` reaches."""
     return model.experts * decode_expert_fraction(model, tokens)
-
-
-def model_states(dense: float, expert: float, cfg: ParallelConfig, zero: int, dtype_bytes: int) -> dict[str, float]:
-    """Model states of a trainable MoE model: the dense share sharded over dp, the experts' over
-    expert-dp (``expert_dp``), each by the ZeRO stage (``memory.model_state_bytes``)."""
-    from nereus.planner.cost.memory import model_state_bytes
-
-    a = model_state_bytes(dense, cfg.dp, zero, dtype_bytes)
-    b = model_state_bytes(expert, expert_dp(cfg), zero, dtype_bytes)
-    return {k: a[k] + b[k] for k in a}
