@@ -87,3 +87,12 @@ def engine_memory_util(job: JobSpec, p: CostParams) -> float:
 def kv_budget_full(job: JobSpec, cluster: ClusterSpec, weights: float, p: CostParams) -> float:
     """KV bytes per GPU an engine gets on an otherwise empty GPU."""
     return cluster.gpu.usable_bytes * engine_memory_util(job, p) - weights - p.workspace_gib * GiB
+
+
+def split_model_state_bytes(dense: float, expert: float, dp: int, expert_dp: int, zero: int,
+                            dtype_bytes: int = 2) -> dict[str, float]:
+    """Model states of a trainable MoE model: the dense share sharded over ``dp``, the experts' over
+    the expert-data-parallel group (``moe.expert_dp``), each by the ZeRO stage (``model_state_bytes``)."""
+    a = model_state_bytes(dense, dp, zero, dtype_bytes)
+    b = model_state_bytes(expert, expert_dp, zero, dtype_bytes)
+    return {k: a[k] + b[k] for k in a}

@@ -14,7 +14,7 @@ from nereus.planner.cost.comm import TP_EDGE_COLLECTIVES, a2a_s, ag_s, ar_s, gro
 from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, finish, trainable
 from nereus.planner.cost.framework import fsdp_cpu_floor_s, optimizer_offload_s, param_offload_s
 from nereus.planner.cost.lengths import expected_max, response_quantiles
-from nereus.planner.cost.memory import GiB, model_state_bytes, params_per_gpu
+from nereus.planner.cost.memory import split_model_state_bytes, GiB, model_state_bytes, params_per_gpu
 from nereus.planner.cost.params import CostParams, p2p_s
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
@@ -179,7 +179,7 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
                          + E * M * p.optimizer_step_overhead_s)
     # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
     if model.is_moe:
-        resident = moe.model_states(dense, expert, cfg, cfg.zero, model.dtype_bytes)
+        resident = split_model_state_bytes(dense, expert, cfg.dp, moe.expert_dp(cfg), cfg.zero, model.dtype_bytes)
         act_ffn = moe.act_ffn(model, moe.imbalance(cfg))
     else:
         resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
