@@ -147,8 +147,8 @@ def plot(runs: list[dict], cfg: DemoConfig, path: Path) -> Path:
     for i, label in enumerate(("mean reward (learning curve)", "mean response length", "step time (s, measured)",
                                "peak memory / budget (%)")):
         axes[i, 0].set_ylabel(label)
-    fig.suptitle(f"nereus demo: GRPO on {cfg.world} gloo CPU processes, tiny model, {cfg.repeats} interleaved runs per "
-                 f"policy (measured on a 2-core CPU)")
+    fig.suptitle(f"nereus demo: GRPO on {cfg.world} gloo CPU processes, tiny model,\n{cfg.repeats} interleaved runs per "
+                 f"policy (measured on a 2-core CPU)", fontsize=10 if cols == 1 else 12)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

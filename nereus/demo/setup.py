@@ -49,10 +49,13 @@ class DemoConfig:
     budget_k: float = 1.5
     """The budget as a multiple of the per-process model state (``state_bytes``). 1.5, fixed before
     any run: the state then takes two thirds of the budget, and the third left holds the KV cache,
-    logits and activations of the plainest layout (TP 1, DP 4) up to cap 64 but not at cap 128
-    (measured: its training peaks at 0.93 of the budget at cap 64 and 1.26-1.28 at cap 128); TP 2
-    training halves the activations a process holds and fits at 128. At k = 2 and 3 every layout
-    fits every cap: nothing binds, so no layout change can pay on 2 cores."""
+    logits and activations of the layout chosen for the first step (every model TP 1, DP 4) up to
+    cap 64 but not at cap 128: the planner predicts it out of memory there with any knobs (the
+    adaptive run must switch, to actor training on TP 2, before the cap rises), and an earlier run
+    of this demo measured training on TP 1 (reference on TP 2) at 0.93 of this budget at cap 64 and
+    1.26-1.28 at cap 128. A layout sized for cap 128 from the start (static's, reference on TP 4)
+    fits, at a price every step. At k = 2 and 3 every layout fits every cap: nothing binds, so no
+    layout change can pay on 2 cores."""
     policy: str = "all"
     """One of ``POLICIES``, "all" (every one, adaptive first) or "both" (adaptive and static)."""
     recompute: bool = True
