@@ -9,7 +9,7 @@ from nereus.commands.common import (add_job_cluster, console, load_specs, pos_fl
 from nereus.jsonio import atomic_path
 
 CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl", "openrlhf",
-           "all")
+           "static-split", "hindsight-split", "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -26,7 +26,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                             "(default: the job's sequence.response_len_max)")
     p.add_argument("--gpus", type=pos_int, help="GPUs of the logged run when --trace is a job log (default: the "
                                                 "cluster's)")
-    p.add_argument("--policy", choices=CHOICES, default="all")
+    p.add_argument("--policy", choices=CHOICES, default="all",
+                   help="all: every policy (with --schedule other than sync also the async baselines)")
+    p.add_argument("--schedule", choices=("auto", "sync", "one_step_off", "fully_async"),
+                   help="override the job's schedule (async: rollout and trainer on disjoint pools; the sync "
+                        "policies keep synchronous steps, adaptive and static-split plan the schedule asked)")
+    p.add_argument("--staleness", type=int, metavar="N", help="with --schedule: the staleness bound (default 1)")
+    p.add_argument("--sync-every", type=pos_int, metavar="N", help="with --schedule fully_async/auto: steps per sync")
     p.add_argument("--steps", type=pos_int, help="only the first N steps of the trace")
     p.add_argument("--horizon", type=pos_int, default=200, help="steps a switch is amortised over (default 200)")
     p.add_argument("--margin", type=float, default=0.25, help="saving must exceed cost x (1 + margin)")
@@ -42,11 +48,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    from nereus.commands.plan import with_schedule_args
+    from nereus.simulator.async_policies import ASYNC_POLICIES
     from nereus.simulator.policies import POLICIES
     from nereus.simulator.simulate import simulate
     from nereus.simulator.trace import SHIPPED, load_trace, looks_like_trace_csv, trace_from_log
 
     job, cluster, params = load_specs(args)
+    job = with_schedule_args(args, job)
     if args.trace in SHIPPED or looks_like_trace_csv(args.trace):
         trace = load_trace(args.trace)
     else:
@@ -54,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                                gpus=args.gpus or cluster.num_gpus)
     if args.steps:
         trace = trace.head(args.steps)
-    policies = POLICIES if args.policy == "all" else (args.policy,)
+    policies = (POLICIES + (ASYNC_POLICIES if job.schedule.kind != "sync" else ())) if args.policy == "all" \
+        else (args.policy,)
     with atomic_path(args.audit) if args.audit else contextlib.nullcontext() as audit:  # whole, or not at all
         results = simulate(job, cluster, trace, policies, params=params, horizon=args.horizon, margin=args.margin,
                            seed=args.seed, time_limit_s=args.time_limit, audit_path=audit and str(audit),
@@ -67,19 +77,22 @@ def run(args: argparse.Namespace) -> int:
     t = Table()
     t.add_column("policy", no_wrap=True, min_width=8)
     for name in ("mean step s", "total h", "switches", "switch s", "switch %", "OOM", "restart s", "dropped",
-                 "vs static"):
+                 "vs static", "idle roll/train"):
         t.add_column(name, justify="right")
     ref = summary.get("static", {}).get("mean_step_s")
     for name, d in summary.items():
         rel = f"{1 - d['mean_step_s'] / ref:+.1%}" if ref else "-"
         t.add_row(name, f"{d['mean_step_s']:.2f}", f"{d['total_s'] / 3600:.2f}", str(d["transitions"]),
                   f"{d['transition_s']:.1f}", f"{d['transition_overhead']:.3%}", str(d["ooms"]),
-                  f"{d['restart_s']:.0f}", str(d["dropped_steps"]), rel)
+                  f"{d['restart_s']:.0f}", str(d["dropped_steps"]), rel,
+                  f"{d['idle_share_rollout']:.0%}/{d['idle_share_trainer']:.0%}" if "idle_share_rollout" in d else "-")
     con.print(t)
     con.print("SIMULATED. mean step s: wall time per completed step, transitions and restarts included. switches: "
               "live transitions (switch s: their blocking time; switch %: share of run time). OOM: steps that ran "
               "out of memory (a crash: the work until then and a restart are lost, the step is retried). vs static: "
-              "reduction of mean step latency (positive = faster).")
+              "reduction of mean step latency (positive = faster). idle roll/train: share of the run each pool of an "
+              "async plan waits (rollout: nothing to generate; trainer: waiting for a batch or the sync barrier; "
+              "over the steps run on async plans).")
     write_json(args.json, {name: {k: d[k] for k in ("label", "steps", "mean_step_s", "total_s", "transition_s",
                                                     "transition_overhead", "transitions", "infeasible_steps")}
                            | {"diagnostics": {k: v for k, v in d.items() if k not in ("steps", "label")}}

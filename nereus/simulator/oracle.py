@@ -184,13 +184,14 @@ def complete_families(plans: list[Plan], gpu_counts: list[int], scale) -> list[P
 
 
 def hindsight(gt: GroundTruth, plans: list[Plan], times: np.ndarray,
-              gpu_changes: set[tuple[int, int]]) -> tuple[OraclePath | None, list[int]]:
+              gpu_changes: set[tuple[int, int]], key=None) -> tuple[OraclePath | None, list[int]]:
     """Best single layout family: (its path, indices of its plans). Edges inside a family join
     plans on the same GPU count and plans across a GPU change the trace makes (``gpu_changes``:
-    (from, to) GPU counts)."""
+    (from, to) GPU counts). ``key``: what a family holds fixed (default ``family``; ``hindsight-split``:
+    the schedule and the rollout share)."""
     fams: dict[tuple, list[int]] = {}
     for k, p in enumerate(plans):
-        fams.setdefault(family(p), []).append(k)
+        fams.setdefault((key or family)(p), []).append(k)
     best, best_idx = None, []
     for idx in fams.values():
         sub = times[:, idx]

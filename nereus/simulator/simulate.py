@@ -34,10 +34,15 @@ from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator import oracle as offline
 from nereus.simulator.policies import (OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO, make_controller,
                                       naive_fix, naive_plan, rescale_naive)
+from nereus.simulator.async_policies import (ASYNC_ONLINE, ASYNC_POLICIES, idle_summary, is_async,
+                                             make_async_controller, mark, policy_job, split_family, sync_job)
 from nereus.simulator.schedules import TransitionSchedules
 from nereus.simulator.trace import Trace
 from nereus.simulator.truth.machine import GroundTruth, Observation
+from nereus.simulator.truth.timeline import idle_at, schedule_of
 
+SYNC_ON_ASYNC = ("static", "verl", "openrlhf", "static-naive")
+"""Today's policies that plan synchronous steps also on an asynchronous job (the sync baselines)."""
 SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1))
 """The solver's option set in simulation: four generation KV-budget levels instead of seven (the
 generation options dominate the solver's table building; every solve of a 1,000-step run pays it)."""
@@ -68,6 +73,8 @@ class PolicyResult:
     """Controller seconds per decision without a re-solve, in ms."""
     note: str = ""
     """Why the policy did not run at all (its layout rule has no feasible plan), else empty."""
+    idle: tuple[tuple[float, float, float, float], ...] = field(default=(), repr=False)
+    """Per step run on an asynchronous plan: (rollout idle, trainer idle, sync, step) seconds."""
 
     def __post_init__(self) -> None:
         n = len(self.step_s)
@@ -99,7 +106,8 @@ class PolicyResult:
                 "mean_compute_step_s": float(np.nanmean(self.step_s)) if self.completed else math.nan,
                 "wall_s": self.wall_s, "solves": self.solves,
                 "controller_overhead_ms_median": ov[len(ov) // 2], "controller_overhead_ms_p99": ov[int(0.99 * (len(ov) - 1))],
-                "controller_overhead_ms_max": ov[-1], **({"not_run": self.note} if self.note else {})}
+                "controller_overhead_ms_max": ov[-1], **({"not_run": self.note} if self.note else {}),
+                **idle_summary(self.idle, len(self.idle))}
 
 
 def _metrics(trace: Trace, i: int, obs: Observation, base_prompt: int, *, retry: bool = False) -> StepMetrics:
@@ -126,9 +134,12 @@ class _Run:
         self.index = [-1] * n
         self.plans: dict[tuple, int] = {}
         self.plan_list: list[Plan] = []
+        self.idle: list[tuple[float, float, float, float]] = []
 
-    def use(self, plan: Plan) -> int:
-        k = plan.key()
+    def use(self, plan: Plan, gt: GroundTruth | None = None, i: int = 0) -> int:
+        if gt is not None and is_async(plan):
+            self.idle.append(idle_at(gt, plan, i))
+        k = (plan.key(), schedule_of(plan))
         if k not in self.plans:
             self.plans[k] = len(self.plan_list)
             self.plan_list.append(plan)
@@ -138,7 +149,8 @@ class _Run:
         return PolicyResult(policy=name, step_s=tuple(self.step_s), transition_s=tuple(self.trans),
                             restart_s=tuple(self.restart), ooms=tuple(self.ooms), restarts=tuple(self.restarts),
                             dropped=tuple(self.dropped), plans=tuple(self.plan_list), plan_index=tuple(self.index),
-                            wall_s=time.perf_counter() - t0, solves=solves, overhead_ms=tuple(overhead))
+                            wall_s=time.perf_counter() - t0, solves=solves, overhead_ms=tuple(overhead),
+                            idle=tuple(self.idle))
 
 
 def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, *,
@@ -147,14 +159,16 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
     t0 = time.perf_counter()
     solves0 = plans.solves
     base = job.workload()
-    ctl = make_controller(name, job, cluster, trace.workload(0, base), trace.rows[0].gpus, total_steps=len(trace),
-                          plans=plans, horizon=horizon, margin=margin, audit=audit, seed=seed, params=params)
-    plan, run, overhead = ctl.plan, _Run(len(trace)), []
+    make = make_async_controller if name in ASYNC_ONLINE else make_controller
+    ctl = make(name, job, cluster, trace.workload(0, base), trace.rows[0].gpus, total_steps=len(trace),
+               plans=plans, horizon=horizon, margin=margin, audit=audit, seed=seed, params=params)
+    runtime = mark(name)
+    plan, run, overhead = runtime(ctl.plan), _Run(len(trace)), []
     for i, row in enumerate(trace.rows):
         for attempt in range(MAX_ATTEMPTS):
             obs = gt.observe(plan, i) if plan.num_gpus <= row.gpus else None
             if obs is not None and obs.feasible:
-                run.step_s[i], run.index[i] = obs.step_s, run.use(plan)
+                run.step_s[i], run.index[i] = obs.step_s, run.use(plan, gt, i)
                 break
             if obs is None:  # no plan fits the granted GPUs: nothing to run
                 run.dropped[i] = True
@@ -166,7 +180,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
             if not d.feasible and d.plan is plan:  # the policy has nothing else to run: the batch is lost
                 run.dropped[i] = True
                 break
-            plan = d.plan  # relaunched from the checkpoint in the new layout: the restart is the transition
+            plan = runtime(d.plan)  # relaunched from the checkpoint in the new layout: the restart is the transition
         else:
             run.dropped[i] = True
         if tick:
@@ -179,11 +193,13 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
         if not d.resolved:
             overhead.append(d.overhead_s * 1e3)
         if d.action == "switch":
-            t = gt.switch_restart_s(plan, d.plan) if name in RESTART_MODE else gt.transition_s(plan, d.plan)
+            nxt = runtime(d.plan)
+            t = gt.switch_restart_s(plan, nxt) if name in RESTART_MODE else gt.transition_s(plan, nxt)
             if t > 0:
                 ctl.report_transition(t)
+                t += gt.refill_s(nxt, i + 1)  # a new async pipeline first waits for its first batch
             run.trans[i + 1] = t
-            plan = d.plan
+            plan = nxt
     ctl.close()
     return run.result(name, t0, plans.solves - solves0, overhead)
 
@@ -242,17 +258,19 @@ def offline_candidates(job: JobSpec, results: Iterable[PolicyResult], picked: It
         if r.policy == "static-naive" or r.note:
             continue  # relaunch-only plans (ZeRO-3 everywhere): no live transition reaches them
         for k, p in enumerate(r.plans):
-            key = p.key()
+            if schedule_of(p)[3]:
+                continue  # verl's dynamic runtime is not a plan another policy can switch to
+            key = (p.key(), schedule_of(p))
             if key not in cands:
                 cands[key] = p
             j = list(cands).index(key)
             used.setdefault(j, set()).update(i for i, x in enumerate(r.plan_index) if x == k)
     n_used = len(cands)
     for p in picked:
-        cands.setdefault(p.key(), p)
+        cands.setdefault((p.key(), schedule_of(p)), p)
     for p in list(cands.values()):
         for q in offline.gen_tp_variants(p, job.model("actor").heads, gpus_per_node):
-            cands.setdefault(q.key(), q)
+            cands.setdefault((q.key(), schedule_of(q)), q)
     out = list(cands.values())
     return out, list(range(n_used, len(out))), used
 
@@ -282,7 +300,7 @@ def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, r
     gpus = np.array([r.gpus for r in trace.rows])
     counts = sorted(set(gpus.tolist()))
     changes = {(int(a), int(b)) for a, b in zip(gpus[:-1], gpus[1:]) if a != b}
-    if "hindsight" in which:
+    if "hindsight" in which or "hindsight-split" in which:
         n0 = len(cands)
         cands = offline.complete_families(cands, counts, scale_plan)
         extra = extra + list(range(n0, len(cands)))
@@ -301,6 +319,10 @@ def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, r
     if "hindsight" in which:  # first: the edges it prices join the oracle's graph, so oracle <= hindsight
         path, _ = offline.hindsight(gt, cands, times, changes)
         out["hindsight"] = _path_result("hindsight", path, cands, len(trace), t0)
+    if "hindsight-split" in which:  # the best single (schedule, rollout share), async candidates only
+        mask = np.array([is_async(p) for p in cands])
+        path, _ = offline.hindsight(gt, cands, np.where(mask[None, :], times, np.inf), changes, key=split_family)
+        out["hindsight-split"] = _path_result("hindsight-split", path, cands, len(trace), t0, gt)
     if "oracle" in which:
         budget = 32 if trace.max_gpus <= 128 else 12  # pricing a 1,024-GPU layout change is slow
         path = offline.dp_path(times, offline.edge_matrix(gt, cands, extra, edge_budget=budget))
@@ -312,7 +334,7 @@ def _not_run(name: str, n: int, why: str) -> PolicyResult:
     return PolicyResult(policy=name, step_s=(math.nan,) * n, transition_s=(0.0,) * n, dropped=(True,) * n, note=why)
 
 
-def _path_result(name: str, path, cands: list[Plan], n: int, t0: float) -> PolicyResult:
+def _path_result(name: str, path, cands: list[Plan], n: int, t0: float, gt: GroundTruth | None = None) -> PolicyResult:
     if path is None:
         nan = (math.nan,) * n
         return PolicyResult(policy=name, step_s=nan, transition_s=(0.0,) * n, dropped=(True,) * n,
@@ -321,7 +343,8 @@ def _path_result(name: str, path, cands: list[Plan], n: int, t0: float) -> Polic
     pos = {k: j for j, k in enumerate(used)}
     return PolicyResult(policy=name, step_s=path.step_s, transition_s=path.transition_s,
                         plans=tuple(cands[k] for k in used), plan_index=tuple(pos[k] for k in path.plan_index),
-                        wall_s=time.perf_counter() - t0)
+                        wall_s=time.perf_counter() - t0, idle=tuple(
+                            idle_at(gt, cands[k], i) for i, k in enumerate(path.plan_index) if gt and is_async(cands[k])))
 
 
 def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterable[str] = POLICIES, *,
@@ -333,21 +356,35 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     runs the online policies in that many forked processes (each with its own plan cache; no audit
     log or progress bar then); the offline policies run after them in this process."""
     policies = list(dict.fromkeys(policies))
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in POLICIES + ASYNC_POLICIES]
     if bad:
-        raise SpecError(f"unknown policy {bad}; choose from {', '.join(POLICIES)} or all")
+        raise SpecError(f"unknown policy {bad}; choose from {', '.join(POLICIES + ASYNC_POLICIES)} or all")
+    if job.schedule.kind == "sync" and set(policies) & set(ASYNC_POLICIES):
+        raise SpecError(f"{sorted(set(policies) & set(ASYNC_POLICIES))} need an asynchronous job (--schedule)")
     if trace.max_gpus > cluster.num_gpus:
         raise SpecError(f"trace {trace.name} asks for {trace.max_gpus} GPUs; cluster has {cluster.num_gpus}")
     gt = gt or GroundTruth(job, cluster, trace, seed=seed, schedule_fn=TransitionSchedules(job, cluster))
     plans = PlanCache(job, cluster, time_limit_s=time_limit_s, seed=seed, candidates=SIM_CANDIDATES, deterministic=True)
-    online = [p for p in policies if p in ONLINE]
+    caches = {}  # an async job: sync policies plan synchronous steps, verl's baselines their own schedule
+
+    def cache_for(name: str) -> tuple[JobSpec, PlanCache]:
+        j = sync_job(job) if name in SYNC_ON_ASYNC else policy_job(name, job)
+        if j is job:
+            return job, plans
+        key = j.schedule.to_dict().__repr__()
+        if key not in caches:
+            caches[key] = PlanCache(j, cluster, time_limit_s=time_limit_s, seed=seed, candidates=SIM_CANDIDATES,
+                                    deterministic=True)
+        return j, caches[key]
+
+    online = [p for p in policies if p in ONLINE + ASYNC_ONLINE]
     audited = "adaptive" if "adaptive" in online else (online[0] if online else None)
     runs = len(trace) * (len(online) + ("static-naive" in policies))
     bar = _bar(progress, runs, trace.name)
     out: dict[str, PolicyResult] = {}
-    wanted = [p for p in policies if p in OFFLINE]
+    wanted = [p for p in policies if p in OFFLINE + ("hindsight-split",)]
     picked = None
-    if workers > 1 and len(online) > 1 and not audit_path and bar is None:
+    if workers > 1 and len(online) > 1 and not audit_path and bar is None and job.schedule.kind == "sync":
         tasks = online + ([_PICKS] if wanted else [])  # the offline candidates' solves run beside them
         done = _run_forked(tasks, workers, job, cluster, trace, gt, plans, dict(
             params=params, horizon=horizon, margin=margin, seed=seed))
@@ -356,13 +393,14 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
         online = []
     try:
         if "static-naive" in policies:
-            out["static-naive"] = run_naive(job, trace, gt, tick=bar.update if bar else None)
+            out["static-naive"] = run_naive(sync_job(job), trace, gt, tick=bar.update if bar else None)
         for name in online:
             audit = AuditLog(audit_path) if audit_path and name == audited else None
             if bar is not None:
                 bar.set_postfix_str(name)
             try:
-                out[name] = run_online(name, job, cluster, trace, gt, plans, params=params, horizon=horizon,
+                j, pc = cache_for(name)
+                out[name] = run_online(name, j, cluster, trace, gt, pc, params=params, horizon=horizon,
                                        margin=margin, seed=seed, audit=audit, tick=bar.update if bar else None)
             except NereusError as e:  # the policy cannot even start (its layout rule has no feasible plan)
                 out[name] = _not_run(name, len(trace), str(e))

@@ -33,6 +33,7 @@ from nereus.simulator.truth.lengths import LengthSampler
 from nereus.simulator.truth.memory import (ENGINE_MEMORY_UTILIZATION, GiB, capacity_bytes, kv_budget_tokens,
                                            params_per_gpu, state_bytes)
 from nereus.simulator.truth.pipeline import StageSpec, stage_times
+from nereus.simulator.truth.timeline import Timeline, plan_timeline, schedule_of
 
 Tasks = Iterable[tuple[int, int, float]]
 
@@ -118,7 +119,7 @@ class GroundTruth:
         self._coeffs: dict[tuple, tuple[np.ndarray, float]] = {}
         self._plans: dict[tuple, dict] = {}
         self.prices = LayoutChangePrices(self._live_transition_s)
-        self._step_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._timelines: dict[tuple, Timeline] = {}
 
     # ---- lengths -------------------------------------------------------------------------------
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +155,7 @@ class GroundTruth:
 
     # ---- per-plan structure ----------------------------------------------------------------------
     def _info(self, plan: Plan) -> dict:
-        key = plan.key()
+        key = (plan.key(), schedule_of(plan)[0] != "sync")
         hit = self._plans.get(key)
         if hit is not None:
             return hit
@@ -268,8 +269,13 @@ class GroundTruth:
         return fits if ms.endswith("/generation") else info["resident"][ms] + pk <= info["capacity"]
 
     # ---- steps -----------------------------------------------------------------------------------
-    def _plan_block(self, plan: Plan, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(step seconds, ok, stage times [T, stages] with jitter, peak bytes) of ``plan`` on block b."""
+    def _stage_cols(self, plan: Plan, b: int) -> np.ndarray:
+        """[T, stages] seconds of each model-stage of ``plan`` on block b, with jitter."""
+        return self._plan_block(plan, b, compose=False)[2]
+
+    def _plan_block(self, plan: Plan, b: int, compose: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(step seconds, ok, stage times [T, stages] with jitter, peak bytes) of ``plan`` on block b;
+        an asynchronous plan's step seconds come from its timeline over the trace (``timeline.py``)."""
         info = self._info(plan)
         _, jit = self._block(b)
         cols, ok, peak = [], None, None
@@ -284,6 +290,12 @@ class GroundTruth:
         if peak is None:
             peak = np.zeros(len(jit))
         st = np.stack(cols, axis=1)
+        if not compose:
+            return st, ok, st, peak
+        if schedule_of(plan)[0] != "sync":
+            lo = b * self.block
+            total = self.timeline(plan).step_s[lo:lo + len(st)]
+            return np.where(ok, total, math.inf), ok, st, peak
         total = np.full(len(st), info["overhead"])
         for phase in self.job.phases():  # a phase ends when its busiest GPU segment is done
             per_seg = np.zeros((len(st), info["segments"]))
@@ -291,6 +303,14 @@ class GroundTruth:
                 per_seg[:, info["covers"][ms]] += st[:, self.stages.index(ms)][:, None]
             total = total + per_seg.max(axis=1)
         return np.where(ok, total, math.inf), ok, st, peak
+
+    def timeline(self, plan: Plan) -> Timeline:
+        """An asynchronous plan's event timeline over the whole trace (cached per plan and schedule)."""
+        key = (plan.key(), schedule_of(plan))
+        hit = self._timelines.get(key)
+        if hit is None:
+            hit = self._timelines[key] = plan_timeline(self, plan)
+        return hit
 
     def step_times(self, plan: Plan, steps: np.ndarray | None = None) -> np.ndarray:
         """Seconds of ``plan`` at each of ``steps`` (all steps by default); inf where it OOMs."""
@@ -328,6 +348,11 @@ class GroundTruth:
         """Blocking seconds of a live switch a -> b (0 for the same layout)."""
         return self.prices(a, b)
 
+    def refill_s(self, plan: Plan, step: int) -> float:
+        """An asynchronous plan's pipeline after a switch: the trainer first waits for a whole batch."""
+        if schedule_of(plan)[0] == "sync" or step >= self.n_steps:
+            return 0.0
+        return float(self._stage_cols(plan, step // self.block)[step % self.block, self.stages.index("actor/generation")])
 
     def _live_transition_s(self, a: Plan, b: Plan) -> float:
         if self.schedule_fn is None:
