@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nereus.fidelity.async_rows import composition_check, speedup_summary, speedups  # noqa: E402
+from nereus.fidelity.async_rows import composition_check  # noqa: E402
+from nereus.fidelity.report import speedup_summary, speedups  # noqa: E402
 from nereus.fidelity.corpus import load_corpus  # noqa: E402
 from nereus.fidelity.report import evaluate, fitted_params, params_source, scatter, summarize  # noqa: E402
 from nereus.models.spec import preset  # noqa: E402

@@ -28,7 +28,7 @@ def _async_speedups(con, corpus, preds, params_for) -> None:
         return
     from rich.table import Table
 
-    from nereus.fidelity.async_rows import speedups
+    from nereus.fidelity.report import speedups
 
     sp = speedups(corpus, preds, params_for)
     t = Table("async row", "sync row", "same GPUs", "published", "predicted", "pred/pub",
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         con.print(f"{skipped} rows not predicted (see --rows for why: MoE models, serving runs, unstated lengths, ...)")
     out = to_json(preds, source)
     if any(p.row.category == "async" for p in preds):
-        from nereus.fidelity.async_rows import speedup_summary, speedups
+        from nereus.fidelity.report import speedup_summary, speedups
 
         out["async_speedups"] = speedup_summary(speedups(load_corpus(args.corpus), preds, params_for))
     write_json(args.json, out)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 from nereus.fidelity.corpus import Row
-from nereus.fidelity.predict import (ParamsFor, Prediction, Unsupported, _int, _model, controller_width, predict,
-                                     rl_job, stage_settings)
+from nereus.fidelity.rl_rows import controller_width, rl_job, stage_settings
+from nereus.fidelity.rows import Unsupported, _int, _model
 from nereus.planner.cost.comm import weight_sync_s
 from nereus.planner.cost.model import StageOptions, estimate
 from nereus.planner.cost.params import CostParams
@@ -124,69 +124,6 @@ def predict_async(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     if ms is None or ms not in t.stage_s:
         raise Unsupported(f"async stage {stage!r} not modelled")
     return t.stage_s[ms]
-
-
-@dataclass(frozen=True, slots=True)
-class Speedup:
-    """Async over sync step time for one published pair."""
-
-    async_id: str
-    sync_id: str
-    published: float
-    predicted: float | None
-    reason: str = ""
-    same_gpus: bool = True
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.predicted is None else self.predicted / self.published
-
-
-def speedups(rows: Iterable[Row], preds: Iterable[Prediction], params_for: ParamsFor) -> list[Speedup]:
-    """Each async ``step`` row naming its sync baseline (``sync_row``: a corpus row id; or
-    ``sync_step_s``: the baseline's published step, whose configuration the corpus has not):
-    published sync / async step, and the model's (sync priced by ``predict`` of the baseline row)."""
-    by_id = {r.id: r for r in rows}
-    pred = {p.row.id: p for p in preds}
-    out = []
-    for p in pred.values():
-        r = p.row
-        if r.category != "async" or r.get("stage") != "step":
-            continue
-        sid, quoted = r.get("sync_row"), r.num("sync_step_s")
-        if sid is None and quoted is None:
-            continue
-        base = by_id.get(sid) if sid else None
-        if sid and base is None:
-            out.append(Speedup(r.id, sid, math.nan, None, f"baseline row {sid} not in the corpus"))
-            continue
-        published = (base.value if base else quoted) / r.value
-        same = base is None or base.gpus == r.gpus
-        if p.predicted is None:
-            out.append(Speedup(r.id, sid or "quoted", published, None, f"async row: {p.reason}", same))
-            continue
-        if base is None:
-            out.append(Speedup(r.id, "quoted", published, None, "the baseline's configuration is not in the corpus", same))
-            continue
-        bp = pred.get(sid) or predict(base, params_for)
-        if bp.predicted is None:
-            out.append(Speedup(r.id, sid, published, None, f"sync row: {bp.reason}", same))
-            continue
-        out.append(Speedup(r.id, sid, published, bp.predicted / p.predicted, "", same))
-    return out
-
-
-def speedup_summary(sp: list[Speedup]) -> dict:
-    ratios = [s.ratio for s in sp if s.ratio is not None]
-    rec: dict = {"pairs": len(sp), "predicted": len(ratios)}
-    if ratios:
-        import statistics
-
-        rec.update(median_ratio=statistics.median(ratios), within_2x=sum(1 for x in ratios if 0.5 <= x <= 2) / len(ratios),
-                   median_error=statistics.median(max(x, 1 / x) for x in ratios))
-    rec["rows"] = [{"async": s.async_id, "sync": s.sync_id, "published": s.published, "predicted": s.predicted,
-                    "ratio": s.ratio, "same_gpus": s.same_gpus, "reason": s.reason} for s in sp]
-    return rec
 
 
 def composition_check(rows: Iterable[Row]) -> list[dict]:

@@ -18,46 +18,24 @@ unknown hardware, an RL row without its mean response length) gets no prediction
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import replace
 
 from nereus.errors import NereusError
 from nereus.fidelity.catalog import (FP8_CAPABLE, eight_bit, engine_of, power_capped, profile_gpu, resolve_gpu,
-                                     resolve_model, with_precision)
+                                     resolve_model)
 from nereus.fidelity.corpus import Row
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.model import (GiB, StageOptions, decode_iteration_s, engine_wake_s, estimate,
                                        kv_bytes_per_token_per_gpu, params_per_gpu, prefill_s, weight_sync_s)
 from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s
-from nereus.planner.specs import (BatchSpec, ClusterSpec, GPUSpec, JobSpec, ParallelConfig, RolloutSpec, SequenceSpec,
-                                  Workload, GPU_PRESETS)
+from nereus.planner.specs import (GPUSpec, ParallelConfig, Workload, GPU_PRESETS)
 
-ParamsFor = Callable[[str], CostParams]
-"""GPU profile name -> the cost parameters to predict its rows with."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    row: Row
-    predicted: float | None
-    reason: str = ""
-    """Why there is no prediction (empty when there is one)."""
-    profile: str = ""
-    """The GPU profile the row is predicted with."""
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.predicted is None else self.predicted / self.row.value
-
-
-class Unsupported(Exception):
-    """The row describes something the cost model does not express."""
-
-
-def row_gpu(row: Row) -> str | None:
-    """The profile a row belongs to (for fitting and prediction), or None."""
-    gpu, _ = resolve_gpu(row.hardware)
-    return None if gpu is None else profile_gpu(gpu)
+from nereus.fidelity.rows import (ParamsFor, Prediction, Unsupported, _int, _model, _one_model_job,  # noqa: F401
+                                  _replica_cluster, row_gpu)
+from nereus.fidelity.rl_rows import (RL_STAGES, VERL_MAX_NUM_SEQS, _flag, _rl, controller_width, rl_job,  # noqa: F401
+                                     stage_settings)
+from nereus.fidelity.memory_rows import MEMORY_METRICS, _memory  # noqa: F401
+from nereus.fidelity.async_rows import predict_async
 
 
 def predict(row: Row, params_for: ParamsFor) -> Prediction:
@@ -84,29 +62,6 @@ def predict(row: Row, params_for: ParamsFor) -> Prediction:
     if value is None or not math.isfinite(value) or value <= 0:
         return Prediction(row, None, "the model predicts no finite value (does not fit in memory)", prof)
     return Prediction(row, float(value), "", prof)
-
-
-def _model(row: Row, gpu: GPUSpec) -> tuple[ModelSpec, GPUSpec]:
-    model, why = resolve_model(row.model)
-    if model is None:
-        raise Unsupported(why)
-    model, gpu, why = with_precision(model, gpu, row.get("dtype"))
-    if why:
-        raise Unsupported(why)
-    return model, gpu
-
-
-def _replica_cluster(gpu: GPUSpec, n: int) -> ClusterSpec:
-    return ClusterSpec(gpu=gpu, nodes=max(1, math.ceil(n / 8)), gpus_per_node=min(8, max(1, n)))
-
-
-def _int(row: Row, key: str, default: int | None = None) -> int:
-    v = row.num(key)
-    if v is None:
-        if default is None:
-            raise Unsupported(f"config has no numeric {key}")
-        return default
-    return int(v)
 
 
 # ---- inference engines -------------------------------------------------------------------------------
@@ -208,11 +163,6 @@ def _tokens(text: str | None) -> float | None:
         return None
 
 
-def _one_model_job(model: ModelSpec, seqs: int = 2) -> JobSpec:
-    return JobSpec(algorithm="grpo", models=(("actor", model),), batch=BatchSpec(prompts=1, samples_per_prompt=2),
-                   sequence=SequenceSpec(prompt_len=1, response_len_mean=1, response_len_max=1))
-
-
 def model_flops(model: ModelSpec, seqs: float, seq_len: float) -> float:
     """Model FLOPs of one training step (the MFU numerator): 6 N per token plus causal-free attention."""
     return 6 * model.matmul_params() * seqs * seq_len + 6 * model.layers * model.heads * model.head_dim * seqs * seq_len ** 2
@@ -261,167 +211,6 @@ def _training(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     raise Unsupported(f"training metric {row.metric!r} not modelled")
 
 
-# ---- RL stages --------------------------------------------------------------------------------------------
-RL_STAGES = {"gen": "actor/generation", "generate_sequences": "actor/generation", "old_log_prob": "actor/inference",
-             "ref": "ref/inference", "values": "critic/inference", "update_actor": "actor/training",
-             "actor_train": "actor/training", "update_critic": "critic/training"}
-
-
-VERL_MAX_NUM_SEQS = 1024
-"""verl's rollout ``max_num_seqs`` default (its trainer config sets it; vLLM's own is 256)."""
-
-
-def rl_job(row: Row, model: ModelSpec) -> tuple[JobSpec, Workload]:
-    algo = (row.get("algo") or "grpo").lower()
-    algo = "ppo" if algo == "ppo" else "grpo"
-    prompts = _int(row, "train_batch", _int(row, "prompts", 0) or None)
-    n = _int(row, "rollout_n", 1 if algo == "ppo" else 0) or None
-    if n is None:
-        raise Unsupported("GRPO-family row without rollout_n")
-    mean = row.num("mean_response_len")
-    cap = row.num("max_response_len")
-    if mean is None or cap is None:
-        raise Unsupported("mean or max response length not stated")
-    prompt = _int(row, "mean_prompt_len", 0) or _int(row, "max_prompt_len", 0) or _int(row, "context_len", 0) or None
-    if prompt is None:
-        raise Unsupported("prompt length not stated")
-    mini = _int(row, "ppo_mini_batch", prompts)
-    roles = [("actor", model), ("ref", model)] + ([("critic", model)] if algo == "ppo" else [])
-    if algo == "grpo" and n < 2:
-        n = 2
-    job = JobSpec(algorithm=algo, models=tuple(roles),
-                  batch=BatchSpec(prompts=prompts, samples_per_prompt=n, mini_batches=max(1, prompts // max(1, mini))),
-                  sequence=SequenceSpec(prompt_len=prompt, response_len_mean=min(mean, cap), response_len_max=int(cap)),
-                  rollout=RolloutSpec(engine=engine_of(row.get("rollout_engine") or row.engine, row.get("vllm_engine")),
-                                      sleep="colocate" in (row.get("mode") or "colocate"),
-                                      enforce_eager=_flag(row, "enforce_eager"),
-                                      gpu_memory_utilization=row.num("gpu_memory_utilization"),
-                                      max_num_seqs=_int(row, "max_num_seqs", VERL_MAX_NUM_SEQS if
-                                                        row.engine.lower().startswith("verl") else 256)))
-    return job, job.workload()
-
-
-def _flag(row: Row, key: str, default: bool = False) -> bool:
-    v = row.get(key)
-    return default if v is None else v.strip().lower() in ("1", "true", "yes")
-
-
-def stage_settings(row: Row, ms: str, tp: int, pp: int, dp: int, fsdp: bool) -> tuple[ParallelConfig, StageOptions]:
-    """The parallel config and framework options of one training or inference model-stage of an
-    RL row, from the row's verl settings (keys of rl_stages.csv; a key not stated keeps the older
-    reading: token budget ``ppo_max_token_len_per_gpu`` when given, else one sequence per
-    micro-batch, gradient checkpointing on, remove-padding on, nothing offloaded):
-
-    - micro-batches: ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu`` (actor update),
-      ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_gpu`` (old and reference
-      log-prob), ``critic_use_dynamic_bsz`` with ``critic_max_token_len_per_gpu`` (update) and
-      ``critic_forward_max_token_len_per_gpu`` (values); otherwise fixed ``micro_batch_per_gpu``,
-      ``log_prob_micro_batch_per_gpu``, ``ref_log_prob_micro_batch_per_gpu``,
-      ``critic_micro_batch_per_gpu``, ``critic_forward_micro_batch_per_gpu``;
-    - padding: ``remove_padding=0`` (actor and reference) / ``critic_remove_padding=0`` pads every
-      sequence to ``max_prompt_len + max_response_len``;
-    - offload: ``actor_param_offload`` / ``critic_param_offload`` (verl's per-call offload),
-      ``ref_param_offload`` (FSDP CPUOffload, per micro-batch), ``actor_optimizer_offload`` /
-      ``critic_optimizer_offload`` (update calls);
-    - ``grad_ckpt`` (default on): full recomputation in training;
-    - verl with an FSDP actor / critic (unless ``no_sync_grad_accum=1``): gradients reduce-scattered in
-      fp32 after every micro-batch (``StageOptions.grad_sync``)."""
-    role, _, stage = ms.partition("/")
-    budget0 = _int(row, "ppo_max_token_len_per_gpu", 0)
-    dyn0 = _flag(row, "use_dynamic_bsz", budget0 > 0)
-    if role == "critic":
-        dyn = _flag(row, "critic_use_dynamic_bsz", dyn0)
-        if stage == "training":
-            budget = _int(row, "critic_max_token_len_per_gpu", budget0)
-            micro = _int(row, "critic_micro_batch_per_gpu", _int(row, "micro_batch_per_gpu", 1))
-        else:
-            budget = _int(row, "critic_forward_max_token_len_per_gpu", _int(row, "critic_max_token_len_per_gpu", budget0))
-            micro = _int(row, "critic_forward_micro_batch_per_gpu", _int(row, "critic_micro_batch_per_gpu",
-                                                                        _int(row, "micro_batch_per_gpu", 1)))
-        pad = not _flag(row, "critic_remove_padding", _flag(row, "remove_padding", True))
-    elif stage == "training":
-        dyn, budget = dyn0, budget0
-        micro = _int(row, "micro_batch_per_gpu", 1)
-        pad = not _flag(row, "remove_padding", True)
-    else:
-        dyn = _flag(row, "log_prob_use_dynamic_bsz", dyn0)
-        budget = _int(row, "log_prob_max_token_len_per_gpu", budget0)
-        micro = _int(row, "log_prob_micro_batch_per_gpu", _int(row, "micro_batch_per_gpu", 1))
-        if role == "ref":
-            micro = _int(row, "ref_log_prob_micro_batch_per_gpu", micro)
-        pad = not _flag(row, "remove_padding", True)
-    if dyn and budget <= 0:
-        dyn = False
-    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=3 if fsdp else 1, micro_batch=max(1, micro),
-                         token_budget=budget if dyn else 0, recompute=_flag(row, "grad_ckpt", True))
-    pad_to = (_int(row, "max_prompt_len", 0) + _int(row, "max_response_len", 0)) if pad else 0
-    offload = "none"
-    if _flag(row, f"{role}_param_offload"):
-        offload = "per_micro_batch" if role == "ref" else "per_call"
-    opt_off = stage == "training" and _flag(row, f"{role}_optimizer_offload")
-    # verl's FSDP workers reduce-scatter gradients after every micro-batch's backward (no no_sync;
-    # later releases: use_no_sync_for_gradient_accumulation, default false) in fp32 (reduce_dtype)
-    per_mb = fsdp and row.engine.lower().startswith("verl") and not _flag(row, "no_sync_grad_accum")
-    return cfg, StageOptions(pad_to=pad_to, param_offload=offload, optimizer_offload=opt_off,
-                             grad_sync="micro_batch" if per_mb else "step", grad_reduce_bytes=4 if per_mb else 0,
-                             controller_width=controller_width(row))
-
-
-def controller_width(row: Row) -> int:
-    """verl rows: every worker call moves the batch through verl's driver, each sequence padded to
-    ``max_prompt_len + max_response_len`` (``StageOptions.controller_width``); 0 elsewhere."""
-    if not row.engine.lower().startswith("verl"):
-        return 0
-    return _int(row, "max_prompt_len", 0) + _int(row, "max_response_len", 0)
-
-
-def _rl(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    model, gpu = _model(row, gpu)
-    stage = row.get("stage", "")
-    gpus = row.gpus
-    if not gpus:
-        raise Unsupported("GPU count not stated")
-    job, w = rl_job(row, model)
-    cluster = _replica_cluster(gpu, gpus)
-    tp, pp = _int(row, "tp", 1), _int(row, "pp", 1)
-    if gpus % (tp * pp):
-        raise Unsupported(f"tp*pp = {tp * pp} does not divide {gpus} GPUs")
-    fsdp = "fsdp" in (row.get("actor_backend") or "fsdp")
-    train, _ = stage_settings(row, "actor/training", tp, pp, gpus // (tp * pp), fsdp)
-    rtp = _int(row, "rollout_tp", tp)
-    gen = ParallelConfig(tp=rtp, dp=gpus // rtp)
-
-    gen_opts = StageOptions(controller_width=controller_width(row))
-
-    def stage_s(ms: str) -> float:
-        if ms.endswith("generation"):
-            return estimate(job, cluster, ms, gen, w, p, options=gen_opts).time_s
-        cfg, opts = stage_settings(row, ms, tp, pp, gpus // (tp * pp), fsdp)
-        return estimate(job, cluster, ms, cfg, w, p, options=opts).time_s
-
-    sync = weight_sync_s(model, train, gen, cluster, True, p)
-    if stage == "generate_sequences":
-        # verl's worker-side timer: the engine's generate call alone, inside the rollout sharding
-        # manager, whose entry (wake-up, weight sync) and exit (sleep) it leaves out, as it leaves out
-        # the driver's dispatch and collection of the batch
-        e = estimate(job, cluster, "actor/generation", gen, w, p, options=gen_opts)
-        return e.time_s - e.time_breakdown.get("engine_wake_sleep", 0.0) - e.time_breakdown.get("controller_transfer", 0.0)
-    if stage == "gen" and row.engine.lower().startswith("verl"):
-        # verl's trainer-side timer covers the whole generate_sequences call: wake-up, the actor ->
-        # rollout weight sync, generation, sleep
-        return stage_s("actor/generation") + sync
-    if stage in RL_STAGES:
-        ms = RL_STAGES[stage]
-        if ms not in job.model_stages():
-            raise Unsupported(f"stage {stage} has no model-stage in this job")
-        return stage_s(ms)
-    if stage == "update_weights":
-        return sync
-    if stage == "step":
-        return sum(stage_s(ms) for ms in job.model_stages()) + sync
-    raise Unsupported(f"RL stage {stage!r} not modelled")
-
-
 HOST_LAYER_METRICS = {"host_ms_per_layer_pass": "layer_cpu_train_s", "host_ms_per_layer_forward": "layer_cpu_fwd_s",
                       "host_ms_per_fsdp_unit_pass": "fsdp_unit_cpu_s", "kv_remap_ms_per_gib": "kv_remap_s_per_gib",
                       "host_ms_per_response": "gen_response_host_s"}
@@ -460,94 +249,7 @@ def _wake(row: Row, gpu: GPUSpec | None, p: CostParams) -> float:
 
 def _async(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     """An asynchronous run's step or pool timing under its two-pool plan (``fidelity.async_rows``)."""
-    from nereus.fidelity.async_rows import predict_async
-
     return predict_async(row, gpu, p)
-
-
-# ---- peak memory ------------------------------------------------------------------------------------------
-MEMORY_METRICS = ("weights_gib", "kv_cache_gib", "peak_allocated_gib", "peak_reserved_gib")
-NOSP_REPLICATED_HIDDEN = 10.0
-"""Activation bytes per token per layer, in units of h x (dtype bytes / 2), that tensor parallelism
-without sequence parallelism leaves whole on every rank: the two norm inputs, the residual adds and
-their dropout masks (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", eq. 2: 10 sbh of the 34 sbh a layer keeps stay unsplit). A row with
-``sequence_parallel=0`` is predicted with that share replicated and the rest split by TP."""
-
-
-def _memory_gpu(row: Row, gpu: GPUSpec) -> GPUSpec:
-    """The row's GPU with the total memory its log states (``total_gib``: what the engine saw), if any."""
-    total = row.num("total_gib")
-    return replace(gpu, memory_gib=total) if total else gpu
-
-
-def _memory(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    """Peak memory per GPU in GiB, by the planner's memory terms (``estimate``'s breakdown, less the
-    plan reserve ``mem_reserve_frac`` that only plans keep):
-
-    - ``weights_gib``: an engine's weights on one GPU of the most loaded stage
-      (``params_per_gpu`` x the row's dtype bytes);
-    - ``kv_cache_gib``: the KV pool an engine gets at its memory fraction (``kv_budget_full``) on a GPU
-      of the total memory the log states;
-    - ``peak_allocated_gib`` / ``peak_reserved_gib``: a training step's allocator peak: the
-      model states in the framework's layout, the activations of the largest micro-batch (with or
-      without full recomputation), the logits and their copies, the workspace; reserved adds the
-      allocator's slack (``mem_fragmentation``), allocated does not. The CUDA context and NCCL's
-      buffers sit outside both (``GPUSpec.reserved_gib`` holds them back in plans)."""
-    from nereus.planner.cost.estimates import reserve_bytes
-    from nereus.planner.cost.memory import kv_budget_full
-
-    m = row.metric
-    if m not in MEMORY_METRICS:
-        raise Unsupported(f"memory metric {m!r} not modelled")
-    dtype = (row.get("dtype") or "bf16").lower()
-    if row.get("phase") == "engine_profile":
-        model, gpu_run = _model(row, _memory_gpu(row, gpu))
-        if dtype in ("fp32", "float32"):
-            model = replace(model, dtype_bytes=4)
-        tp, pp = _int(row, "tp", 1), _int(row, "pp", 1)
-        weights = model.dtype_bytes * params_per_gpu(model, tp, pp)
-        if m == "weights_gib":
-            return weights / GiB
-        if m != "kv_cache_gib":
-            raise Unsupported(f"engine metric {m!r}: only weights_gib and kv_cache_gib are modelled")
-        job = replace(_one_model_job(model), rollout=RolloutSpec(gpu_memory_utilization=row.num("gpu_memory_utilization")))
-        return kv_budget_full(job, _replica_cluster(gpu_run, tp * pp), weights, p) / GiB
-    if row.get("phase") != "train_step":
-        raise Unsupported("memory row of an unknown phase (engine_profile / train_step)")
-    rec = row.get("recompute", "none")
-    if rec not in ("none", "full"):
-        raise Unsupported(f"recompute={rec}: the cost model keeps every activation or recomputes whole layers")
-    if row.get("pp_schedule", "1F1B") != "1F1B":
-        raise Unsupported(f"pipeline schedule {row.get('pp_schedule')}: the cost model holds 1F1B's in-flight micro-batches")
-    model, why = resolve_model(row.model)
-    if model is None:
-        raise Unsupported(why)
-    tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
-    gpus = row.gpus or _int(row, "gpus")
-    dp = _int(row, "dp", gpus // (tp * pp * cp))
-    seq, mb = _int(row, "seq_len"), _int(row, "micro_batch", 1)
-    if pp > 1 and row.num("pp_microbatches"):
-        mb = max(1, mb // _int(row, "pp_microbatches"))
-    micro = _int(row, "pp_microbatches", 1) if pp > 1 else 1
-    fsdp = "fsdp" in (row.get("sharding") or "")
-    zero = 3 if fsdp else (1 if row.get("dist_opt") == "1" else 0)
-    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp * cp, cp=cp, micro_batch=mb, zero=zero, recompute=rec == "full")
-    if row.get("sequence_parallel") == "0" and tp > 1:
-        h, scale = model.hidden, model.dtype_bytes / 2
-        full = (p.act_coeff_hidden * h + p.act_coeff_ffn * model.ffn + p.act_coeff_kv * model.kv_dim) * scale
-        p = replace(p, act_bytes_replicated=NOSP_REPLICATED_HIDDEN * h * scale,
-                    act_bytes_sharded=full - NOSP_REPLICATED_HIDDEN * h * scale)
-    # one optimizer step of micro-batches of mb sequences: the peak is the largest one's, times the
-    # 1F1B schedule's in-flight micro-batches (min(pp, micro-batches))
-    w = Workload(sequences=max(1, mb * micro * dp), prompt_len=max(1, seq - 1), response_len_mean=1, response_len_max=1)
-    e = estimate(_one_model_job(model), _replica_cluster(gpu, gpus), "actor/training", cfg, w, p)
-    peak = e.mem_bytes - reserve_bytes(e)
-    if m == "peak_allocated_gib":
-        peak -= e.mem_breakdown.get("fragmentation", 0.0)
-    elif m != "peak_reserved_gib":
-        raise Unsupported(f"training metric {m!r}: peak_allocated_gib or peak_reserved_gib")
-    return peak / GiB
 
 
 # ---- mixture-of-experts runs ---------------------------------------------------------------------------

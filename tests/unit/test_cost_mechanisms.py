@@ -201,6 +201,7 @@ def test_plan_json_round_trips_sequence_parallel_and_token_budget():
 # vocabulary pass the profile's HBM efficiency (fitted on decode rows), the FSDP floor a published
 # per-unit CPU time (pytorch/pytorch#173680).
 import nereus.fidelity.predict as fidelity_predict  # noqa: E402
+import nereus.fidelity.rl_rows as fidelity_rl_rows  # noqa: E402
 from nereus.planner.cost.model import (StageOptions, fsdp_cpu_floor_s, logprob_vocab_s,  # noqa: E402
                                        padded_tokens, param_offload_s)
 
@@ -217,7 +218,7 @@ def _without(monkeypatch, **drop):
         cfg, o = real(*a, **k)
         return cfg, StageOptions(**{"pad_to": o.pad_to, "param_offload": o.param_offload,
                                     "optimizer_offload": o.optimizer_offload, **drop})
-    monkeypatch.setattr(fidelity_predict, "stage_settings", stripped)
+    monkeypatch.setattr(fidelity_rl_rows, "stage_settings", stripped)  # where the RL rows look it up
 
 
 def test_unremoved_padding_runs_every_sequence_at_max_prompt_plus_max_response(monkeypatch):
@@ -678,7 +679,7 @@ def test_verl_single_controller_transfer_is_the_measured_line_over_verls_batch_b
     assert controller_width(verl) == 512 + 192 and controller_width(nemo) == 0
     assert stage_settings(verl, "actor/inference", 1, 1, 8, True)[1].controller_width == 704
     with_it = predict(verl, fitted_params).predicted
-    import nereus.fidelity.predict as P
+    import nereus.fidelity.rl_rows as P  # where the RL rows look it up
     original = P.controller_width
     try:
         P.controller_width = lambda row: 0

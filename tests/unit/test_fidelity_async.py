@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nereus.errors import SpecError
-from nereus.fidelity.async_rows import async_plan, composition_check, speedups
+from nereus.fidelity.async_rows import async_plan, composition_check
+from nereus.fidelity.report import speedups
 from nereus.fidelity.corpus import CATEGORIES, DEFAULT_DIR, fit_rows, load_corpus
 from nereus.fidelity.predict import predict
 from nereus.fidelity.report import fitted_params, summarize

@@ -34,7 +34,8 @@ def test_a_logged_trace_differs_every_step_within_its_cap():
     t = as_logged(parse_trace(FLAT), prompts=64, samples=8, seed=1)
     means = [r.response_len_mean for r in t.rows]
     maxes = [r.response_len_max for r in t.rows]
-    assert len(set(means)) == len(means) and len(set(maxes)) > 5
+    # sampled step means (rounded to 0.1 token) may coincide by chance; a trace that repeats one mean would not
+    assert len(set(means)) >= len(means) - 2 and len(set(maxes)) > 5
     assert all(r.cap == 8192 and r.response_len_max <= 8192 for r in t.rows)
     assert 0.9 < sum(means) / len(means) / 2000 < 1.1
     shipped = load_trace("ramp_1024_noisy")
