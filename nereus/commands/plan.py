@@ -192,6 +192,8 @@ def plan_table(problem, plan):
             (f" zero{cfg.zero}" if s.stage == "training" else "") + (" recompute" if cfg.recompute else "") + \
             (f" sp{cfg.sp}" if cfg.sp > 1 else "") + (f" cp{cfg.cp}" if cfg.cp > 1 else "") + \
             (f" tokens{cfg.token_budget}" if cfg.token_budget else "") + (" offload" if s.name in offloaded else "")
+        if cfg.ep > 1 or cfg.etp > 1:  # expert layout of a mixture-of-experts model
+            opts = (opts + f" ep{cfg.ep} etp{cfg.etp}").strip()
         t.add_row(s.name, str(cfg.tp), str(cfg.pp), str(cfg.dp), opts, str(s.pool),
                   f"{s.first_gpu}-{s.first_gpu + s.gpus - 1} ({s.gpus})", f"{s.time_s:.2f}",
                   f"{s.mem_gib:.1f} / {cap:.1f}")
