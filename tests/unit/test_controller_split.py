@@ -9,8 +9,6 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
 from nereus.planner.cost.plan_times import evaluate_times
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.schedules import ScheduleSpec

@@ -1,6 +1,7 @@
 """The controller's decision rules: must-switch, may-switch (saving over the horizon against
-the transition cost x (1 + margin), ``min_gain``), hysteresis (patience, dwell), the switch before
-a predicted failure, exploration probes, and the stay / switch decisions with their numbers.
+the transition cost x (1 + margin), ``min_gain``, the noise band ``_noise_band``), hysteresis
+(patience, free switches included; dwell), the switch before a predicted failure, exploration
+probes, and the stay / switch decisions with their numbers.
 
 ``AdmissionRules`` is a part of ``Controller``; the module docstring of ``controller.py`` states
 the rules in order.
@@ -78,11 +79,64 @@ class AdmissionRules:
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon does not repay "
                                              f"{best.cost_s:.1f}s x (1 + {self.margin:g})")
+        band = self._noise_band(best) if self.confidence > 0 else 0.0
+        if saving - band <= best.cost_s * (1 + self.margin):
+            self._streak = ((), 0)
+            return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is within what measurement "
+                                             f"noise leaves uncertain of the two plans' difference ({band:.1f}s at "
+                                             f"{self.confidence:g} se) plus {best.cost_s:.1f}s x (1 + {self.margin:g})")
         held = self._hysteresis(m, cur, best, regime_change)
         if held is not None:
             return held
         return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
-                                              f"x (1 + {self.margin:g})")
+                                              f"x (1 + {self.margin:g}) + {band:.1f}s of noise ({self.confidence:g} se)")
+
+    def _noise_band(self, c: Candidate) -> float:
+        """How far, in seconds over the horizon, the predicted saving of ``c`` over the current plan
+        can move at ``confidence`` standard errors of what measurement noise leaves in the calibration (``OnlineCalibration.se``, ``dependence``):
+        the sources are the configs run, each with the standard error of its median; a config
+        either plan holds moves with a source by its coefficient (1 for the config itself, the
+        shape model's weight for a config never run), so a config both plans share moves both and
+        only its effect on their difference counts. Each source is moved by +-``confidence`` se at
+        each forecast point (sigma points at the band's own width, not 1 se scaled up: a stage off
+        the critical path of an asynchronous plan counts only as far as the band puts it on, which
+        a linearisation misses); the squares add over sources, the widths over the horizon (a
+        factor's error persists from step to step). Without noise (a model the machine matches
+        exactly) it is 0.
+
+        On a flat trace two near-tied plans (a rollout pool of 112 or 96 GPUs, 1% apart) swapped
+        places whenever 5% noise moved one stage's factor, and a plan never run inherited a slope
+        the shape model had fitted to that noise. Neither is a saving: both lie within this sd."""
+        cal, plans = self.calibration, (self.plan, c.plan)
+        deps = [{name: cal.dependence(name, key, feats) for name, key, feats in self._stage_info(p)} for p in plans]
+        src = {}
+        for d in deps:
+            for name, rows in d.items():
+                for row in rows:
+                    if (name, row) not in src and (se := cal.se(name, row)) > 0:
+                        src[name, row] = se
+        if not src:
+            return 0.0
+        h = []
+        for w in self._ws:
+            base = [(p, t, self._corrected(p, t.stage_s)) for p in plans for t in (self._times(p, w),)]
+
+            def diff(name=None, row=None, dlog=0.0, base=base) -> float:
+                out = []
+                for (p, t, st), d in zip(base, deps):
+                    k = d.get(name, {}).get(row, 0.0) if name is not None else 0.0
+                    out.append(compose_step(self.job, p, {**st, name: st[name] * math.exp(k * dlog)} if k else st,
+                                            t.weight_sync_s))
+                return out[0] - out[1]
+
+            d0 = diff()
+            if not math.isfinite(d0):
+                h.append(0.0)
+                continue
+            z = self.confidence
+            var = sum((diff(name, row, sign * z * se) - d0) ** 2 for (name, row), se in src.items() for sign in (1, -1))
+            h.append(math.sqrt(var / 2))
+        return trapezoid(h, self._offsets_now)
 
     def _fall_back(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str) -> Decision:
         """Nothing is predicted to fit next step: run the most frugal plan at hand (``_fallback`` in
@@ -101,14 +155,16 @@ class AdmissionRules:
         return replace(self._switch(m, cur, fb, must, why), feasible=False)
 
     def _hysteresis(self, m: StepMetrics, cur: Candidate, best: Candidate, regime_change: bool) -> Decision | None:
-        """A worthwhile switch that costs time waits for ``min_dwell`` steps after the last one and
-        for the same winner ``patience`` steps in a row (not after a change of GPU count)."""
-        if best.cost_s <= 0 or regime_change:
+        """A worthwhile switch waits for the same winner ``patience`` steps in a row, and one that
+        costs time also for ``min_dwell`` steps after the last costly one (neither after a change of
+        GPU count). A free switch (knobs, or a layout the transition prices at 0) waits for the
+        patience too: free or not, a winner that noise elects for one step is not one."""
+        if regime_change:
             return None
-        key = best.plan.layout_key()
+        key = best.plan.key() if best.cost_s <= 0 else best.plan.layout_key()
         n = self._streak[1] + 1 if self._streak[0] == key else 1
         self._streak = (key, n)
-        if m.step - self._last_switch < self.min_dwell:
+        if best.cost_s > 0 and m.step - self._last_switch < self.min_dwell:
             return self._stay(cur, best, "", f"worth it, but within {self.min_dwell} steps of the last switch")
         if n < self.patience:
             return self._stay(cur, best, "", f"worth it {n}/{self.patience} steps in a row (hysteresis)")

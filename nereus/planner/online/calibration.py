@@ -14,7 +14,12 @@ model predicts for the same plan and workload. Two models of that ratio, per mod
   run, an unseen config inherits the common bias, and ``sd`` tells how unsure that is.
 
 A config that was run uses its own median; one never run uses the shape model (the model-stage's
-latest factor when no features are given). Factors feed the planner two ways: exactly per config
+latest factor when no features are given). What measurement noise leaves uncertain in a factor
+(``se``, ``dependence``): a config run knows its factor to the standard error of its median (the
+noise of one observation, pooled over the model-stage's configs, / sqrt(observations)); a config
+never run inherits the noise of the configs the shape model was fitted to, through its weights (a
+slope fitted to noise between two nearby configs, extrapolated two doublings away, multiplies it).
+The controller weighs a predicted saving against that (``admission.py``). Factors feed the planner two ways: exactly per config
 when the controller re-predicts a plan, and per stage (``CostParams.stage_factor``, a time-weighted
 geometric mean over the model-stages of the stage) for the solver, which only knows stage factors.
 
@@ -61,7 +66,9 @@ class ShapeModel:
         prior[0] = 1 / self.intercept_prior**2
         a = x.T @ (w[:, None] * x) + np.diag(prior)
         cov = np.linalg.inv(a)
-        self._fit = (cov @ (x.T @ (w * y)), cov, center)
+        self._gain = cov @ (x.T * w)
+        """Maps the rows' log-ratios to the coefficients (what noise in a row does to a prediction)."""
+        self._fit = (self._gain @ y, cov, center)
 
     def predict(self, feats: np.ndarray) -> tuple[float, float]:
         """(mean, sd) of the log-ratio at ``feats``."""
@@ -70,6 +77,13 @@ class ShapeModel:
         mean, cov, center = self._fit
         f = feats - center
         return float(f @ mean), float(math.sqrt(max(0.0, f @ cov @ f)))
+
+    def weights(self, feats: np.ndarray) -> np.ndarray:
+        """d(predicted log-ratio at ``feats``) / d(each row's log-ratio): how the noise of the
+        configs run carries over to a config never run (a slope fitted to noise extrapolates it)."""
+        if self._fit is None:
+            return np.zeros(0)
+        return (feats - self._fit[2]) @ self._gain
 
 
 class OnlineCalibration:
@@ -85,6 +99,8 @@ class OnlineCalibration:
         self._shape_dirty: set[str] = set()
         self.transition_pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._committed: dict[str, int] = {}
+        self._noise: dict[str, float] = {}
+        self._rows: dict[str, list] = {}
 
     # ---- stage times ------------------------------------------------------------------------------
     def update(self, model_stage: str, observed_s: float, predicted_s: float, config: Hashable = None,
@@ -99,6 +115,7 @@ class OnlineCalibration:
             q = self._ratios.setdefault(key, deque(maxlen=self.window))
             q.append(observed_s / predicted_s)
             self._factor[key] = min(hi, max(lo, statistics.median(q)))
+        self._noise.pop(model_stage, None)
         if config is not None and features is not None:
             self._feats[(model_stage, config)] = np.concatenate([[1.0], np.asarray(features, float)])
             self._shape_dirty.add(model_stage)
@@ -106,10 +123,12 @@ class OnlineCalibration:
 
     def _shape_model(self, model_stage: str) -> ShapeModel | None:
         if model_stage in self._shape_dirty:
-            rows = [(f, math.log(self._factor[(ms, cfg)]), len(self._ratios[(ms, cfg)]))
-                    for (ms, cfg), f in self._feats.items() if ms == model_stage]
+            run = [(cfg, f) for (ms, cfg), f in self._feats.items() if ms == model_stage]
+            rows = [(f, math.log(self._factor[(model_stage, cfg)]), len(self._ratios[(model_stage, cfg)]))
+                    for cfg, f in run]
             model = self._shape.setdefault(model_stage, ShapeModel(self.slope_prior))
             model.fit(rows)
+            self._rows[model_stage] = [cfg for cfg, _ in run]
             self._shape_dirty.discard(model_stage)
         return self._shape.get(model_stage)
 
@@ -136,6 +155,40 @@ class OnlineCalibration:
         if model is None:
             return self.slope_prior
         return model.predict(np.concatenate([[1.0], features]))[1]
+
+    def noise(self, model_stage: str) -> float:
+        """sd of one observation's log-ratio about its config's mean, pooled over the configs of
+        ``model_stage`` run at least twice (0 before 2 degrees of freedom: no evidence). Not the
+        MAD: on a handful of steps it reads 5% noise as 2% (half the ratios can sit together); a
+        straggler step only makes the controller more cautious."""
+        hit = self._noise.get(model_stage)
+        if hit is None:
+            ss, dof = 0.0, 0
+            for key, q in self._ratios.items():
+                if isinstance(key, tuple) and key[0] == model_stage and len(q) >= 2:
+                    logs = np.log(np.asarray(q, float))
+                    ss, dof = ss + float(((logs - logs.mean()) ** 2).sum()), dof + len(q) - 1
+            hit = self._noise[model_stage] = math.sqrt(ss / dof) if dof >= 2 else 0.0
+        return hit
+
+    def se(self, model_stage: str, config: Hashable) -> float:
+        """Standard error of the log of a run config's median factor: 1.25 x the noise /
+        sqrt(observations) (0 for a config never run)."""
+        q = self._ratios.get((model_stage, config))
+        return 1.2533 * self.noise(model_stage) / math.sqrt(len(q)) if q else 0.0
+
+    def dependence(self, model_stage: str, config: Hashable, features: Sequence[float] | None) -> dict:
+        """How the log-factor of ``config`` depends on the log-ratios measured on the configs run
+        (config run -> coefficient): a config run on its own median alone; one never run on every
+        config the shape model was fitted to (its weights); without features, on none. The noise
+        part of a factor's uncertainty is sum over runs of (coefficient x ``se``)^2; the prior's
+        doubt about configs never run is not in it (the probes act on that, ``admission.py``)."""
+        if (model_stage, config) in self._factor:
+            return {config: 1.0}
+        if features is None or self._shape_model(model_stage) is None:
+            return {}
+        g = self._shape[model_stage].weights(np.concatenate([[1.0], features]))
+        return {cfg: float(c) for cfg, c in zip(self._rows[model_stage], g) if abs(c) > 1e-6}
 
     def residual(self, model_stage: str, config: Hashable) -> float:
         """|log factor| of a config that was run (how wrong the model is there), else 0."""

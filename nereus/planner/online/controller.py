@@ -13,12 +13,16 @@ step with what it measured; the answer applies to the next step. Per step:
    it uses), or a step ran out of memory: to the feasible candidate with the lowest transition cost
    + predicted time over the horizon (a baseline whose pools no longer fit re-picks its pools);
 4. may-switch when the predicted saving summed over the horizon exceeds the transition cost by the
-   margin, the same candidate has won ``patience`` steps in a row, and at least ``min_dwell`` steps
-   passed since the last switch (hysteresis against flapping on noise);
+   margin, and still does at ``confidence`` standard errors of what measurement noise leaves uncertain
+   of the two plans' difference (``admission._noise_band``), the same candidate has won ``patience``
+   steps in a row (free switches too), and at least ``min_dwell`` steps passed since the last costly
+   switch (hysteresis against flapping on noise). Every plan's seconds include its expected
+   crash-restarts (its measured OOM rate x (step + relaunch));
 5. probe (``explore``, adaptive mode): when the model is visibly wrong on the current config of a
    model-stage and a plausible candidate changes that stage to a config never run, run it once if
    its optimistic time (shape model at mean - kappa sd) would repay a round trip: the only way to
-   learn that the model's *ranking* of configs is wrong (at most ``max_probes`` per GPU count);
+   learn that the model's *ranking* of configs is wrong (at most ``max_probes`` per GPU count, 2: the
+   second measures a config the noise band of rule 4 doubts, which waiting would never resolve);
 6. log every decision with its numbers (``audit.py``).
 
 Memory (``reserve.py``): a plan that ran, and never ran out of memory, is judged by its own measured
@@ -62,7 +66,7 @@ from nereus.planner.online.library import (
 )
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache
 from nereus.planner.online.reserve import MemoryReserve, MemoryReserves
-from nereus.planner.online.restart import Emitter, RestartCost, RestartMode
+from nereus.planner.online.restart import Emitter, RestartCost, RestartMode, restart_seconds
 from nereus.planner.online.types import Decision, StepMetrics
 from nereus.planner.plan import GiB, Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
@@ -84,10 +88,10 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
                  forecast_window: int = 60, time_limit_s: float = 5.0, seed: int = 0,
                  build_transition: bool = True, transition_cost_fn: Callable[[Plan, Plan], float] | None = None,
                  plans: PlanCache | None = None, audit: AuditLog | None = None, explore: bool = True,
-                 max_probes: int = 1, probe_threshold: float = 0.10, probe_window: float = 0.10,
+                 max_probes: int = 2, probe_threshold: float = 0.10, probe_window: float = 0.10,
                  probe_kappa: float = 1.0, cost_queries: int = 3, transition_mode: str = "live",
                  framework: str | None = None, emitter: Emitter | None = None,
-                 restart_cost: RestartCost | None = None) -> None:
+                 restart_cost: RestartCost | None = None, confidence: float = 3.0) -> None:
         if mode not in MODES:
             raise NereusError(f"controller: mode must be one of {MODES}, got {mode!r}")
         self._init_restart_mode(transition_mode, framework, emitter, restart_cost)
@@ -100,6 +104,11 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self.solve_bucket_ratio, self.library_size = solve_bucket_ratio, library_size
         self.min_gain = min_gain
         """Savings below this fraction of the step time are treated as model noise (no switch)."""
+        self.confidence = float(confidence)
+        """Standard errors at which a saving must still exceed the transition x (1 + margin): what
+        measurement noise leaves uncertain of the two plans' difference (``_noise_band``; 0: off). 3: one-sided
+        0.1% per comparison, as the controller compares a few candidates every step (a 2-sigma rule,
+        checked every step of a flat noisy trace, still switched on noise)."""
         self.explore, self.max_probes, self.probe_threshold = explore and mode == "adaptive", max_probes, probe_threshold
         self.probe_window, self.probe_kappa = probe_window, probe_kappa
         self._probes_left = max_probes
@@ -135,6 +144,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._ran_ok: dict[tuple, tuple[int, float]] = {}
         """Per plan run without OOM: (cap, largest mean response length) it ran at."""
         self._h = 1
+        self._ws0, self._ws, self._offsets_now = self._base_w, [], ()
+        """The forecast workloads of the last step and their offsets (the noise band reads them)."""
         self._prev_plan: Plan | None = None
         """The plan before the last switch, until the next step's metrics say the switch was applied."""
         if initial_plan is None:
@@ -160,7 +171,7 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         offsets = self._offsets(m.step)
         self._h = offsets[-1]
         ws = [self._forecast_workload(k, cap, w_obs.prompt_len) for k in offsets]
-        self._ws0 = ws[0]
+        self._ws0, self._ws, self._offsets_now = ws[0], ws, offsets
         cur = Candidate(self.plan, "current")
         self._score(cur, ws, offsets)
         self._cur_horizon_s = cur.horizon_s
@@ -310,12 +321,18 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         return out
 
     def _score(self, c: Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
-        """Predicted seconds over the horizon (trapezoid over the forecast points)."""
+        """Predicted seconds over the horizon (trapezoid over the forecast points), with the plan's
+        expected crash-restarts (``MemoryReserves.crash_rate`` x (step + ``restart_seconds``) per
+        step): a plan that ran out of memory 3 times in 20 steps is not faster for its step time."""
         if c.plan.num_gpus > self.gpus:
             c.horizon_s, c.feasible_next = math.inf, False
             return
         times = [self.predict(c.plan, w)[0] for w in ws]
         c.feasible_next = math.isfinite(times[0])
+        p = self.memory.crash_rate(c.plan.key())
+        if p > 0:  # expected crash-restarts: per step p x (the step's work lost + a relaunch)
+            crash = restart_seconds(self.job, self.cluster, c.plan, c.plan, self.restart_cost)
+            times = [t + p * (t + crash) for t in times]
         c.times = tuple(times)
         c.horizon_s = trapezoid(times, offsets)
 

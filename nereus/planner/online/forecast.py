@@ -6,13 +6,24 @@ the controller needs the length ``k`` steps ahead, not the last value. We fit a 
 (Theil-Sen: median of pairwise slopes, insensitive to a few outlier steps) over a sliding window,
 clip it to the response cap, and restart the window when the regime changes (cap raised or lowered,
 GPU count changed), because the old trend says nothing about the new regime.
+
+A trend is only extrapolated as far as the data support it: the slope is shrunk toward 0 by
+``z`` standard errors (soft threshold; the standard error from the residuals' spread, as for a
+least-squares slope, widened to a Student-t quantile while few points estimate that spread; from 5
+points on: of fewer, and after a cap change, the raw slope is all there is). On a flat trace with 5% noise on the observed mean, a few steps'
+Theil-Sen slope is +-20 tokens per step and, over a 30-step horizon, forecast 500 or 1,500 tokens
+from a level of 1,024: each such swing re-ranked the plans (issue 29, flapping). A real drift
+(a ramp, a climb to the cap) is many standard errors from 0 and keeps nearly all of its slope.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from nereus.planner.cost.lengths import DEFAULT_P90_OVER_MEAN
 
@@ -26,11 +37,18 @@ class LengthForecast:
     slope_per_step: float
 
 
+@lru_cache(maxsize=256)
+def _t975(dof: int) -> float:
+    return float(student_t.ppf(0.975, dof))
+
+
 class LengthForecaster:
     """Sliding-window Theil-Sen trend of mean response length, clipped at the cap."""
 
-    def __init__(self, window: int = 30, max_slope_frac: float = 0.02) -> None:
+    def __init__(self, window: int = 30, max_slope_frac: float = 0.02, z: float = 2.0) -> None:
         self.window = window
+        self.z = z
+        """Standard errors by which the slope is shrunk toward 0 (its significance)."""
         self.max_slope_frac = max_slope_frac
         """Bound on |slope| as a fraction of the level per step, so one noisy window cannot
         forecast lengths doubling within 50 steps."""
@@ -80,6 +98,16 @@ class LengthForecaster:
         if not ok.any():
             return 0.0
         s = float(np.median((y[j] - y[i])[ok] / dx[ok]))
+        if n >= 5:  # fewer points have no spread to judge a trend by (after a cap change: the last 3 steps')
+            resid = y - s * x
+            resid = resid - np.median(resid)
+            sigma = math.sqrt(float((resid ** 2).sum()) / (n - 2))  # not the MAD: of a few points it can read 0
+            sxx = float(((x - x.mean()) ** 2).sum())
+            se = sigma / math.sqrt(sxx) if sxx > 0 else math.inf
+            # only the part of the trend the data support: z standard errors, as a Student-t quantile
+            # for the n - 2 degrees of freedom the spread was estimated with (5 points: 3.2 x z / 1.96)
+            k = self.z * _t975(n - 2) / 1.959964
+            s = math.copysign(max(0.0, abs(s) - k * se), s)
         bound = self.max_slope_frac * float(np.median(y))
         return max(-bound, min(bound, s))
 

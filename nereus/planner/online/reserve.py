@@ -25,6 +25,10 @@ fast as a measured one. Worked example (80 GiB GPU, quantum 1 GiB, decay 0.2): a
 actor/training reserve to 7 GiB (strike 1); a step whose training could have needed at most 1 GiB
 lowers it by max(1, 0.2 x 6) / 2 = 0.6 GiB, to 6.4 (judged as 7 GiB: effective reserves are rounded
 up to the quantum, so that evaluations cached per reserve are shared).
+
+Crash rate (``crash_rate``): a plan's strikes / (strikes + clean steps + 1). A reserve that decays
+re-admits a plan the model predicts to fit; the plan's own record says how often it did not. The
+controller adds the expected crash-restarts to every plan's seconds over the horizon.
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ class MemoryReserves:
         """Per plan that ran: the largest underestimate measured on it (GiB, rounded up)."""
         self.struck: dict[tuple, int] = {}
         """Per plan that ran out of memory: how often."""
+        self.runs: dict[tuple, int] = {}
+        """Per plan: the steps it ran without running out of memory."""
 
     def _up(self, x: float) -> float:
         return min(self.quantum * math.ceil(max(0.0, x) / self.quantum - 1e-9), 0.75 * self.usable)
@@ -119,6 +125,7 @@ class MemoryReserves:
     def ran(self, key: tuple, peaks: Mapping[str, float], observed_gib: float | None) -> None:
         """Plan ``key`` ran a step without OOM; ``peaks``: its predicted peak per model-stage other
         than generation (GiB); ``observed_gib``: the step's measured peak, when logged."""
+        self.runs[key] = self.runs.get(key, 0) + 1
         if not peaks:
             return
         top = max(peaks.values())
@@ -135,6 +142,14 @@ class MemoryReserves:
             r = self.stage.get(s)
             if r is not None:
                 r.decay_toward(ceiling - p - self.common_gib, self.quantum, self.decay)
+
+    def crash_rate(self, key: tuple) -> float:
+        """Out-of-memory failures per step of plan ``key`` as measured: strikes / (strikes + clean
+        steps + 1); 0 for a plan that never ran out of memory. A decayed reserve says a struck plan
+        is predicted to fit again; this says how often it failed where it ran (the controller prices
+        it, ``Controller._score``)."""
+        k = self.struck.get(key, 0)
+        return k / (k + self.runs.get(key, 0) + 1) if k else 0.0
 
     def to_dict(self) -> dict:
         return {"common_gib": self.common_gib, "stage_gib": {s: self.stage_gib(s) for s in self.stage},
