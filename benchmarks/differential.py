@@ -6,10 +6,16 @@ Each configuration: a random model (Llama-3.1-8B, Qwen2.5-32B, Llama-3.1-70B), G
 H100, H200), pool of 8-256 GPUs, model-stage (generation, inference or training of the actor /
 critic / reference), parallel config (tp, pp, dp, micro-batch, ZeRO stage, recomputation) and
 workload (mean response 500-16,000 tokens, cap 1.2-4x the mean, 256-2,048 sequences). The stage runs
-on its own pool holding only its own model's state (generation: an engine on otherwise empty GPUs).
+on its own pool holding only its own model's state (training: the model's training states;
+inference: the weights the pass reads, as the planner's stage estimate counts them; generation: an
+engine on otherwise empty GPUs).
 The ground truth's time is its mean over 8 sampled steps. Reported: planner / truth time ratios per
-stage kind, how often the two disagree on "fits in memory", and how often they order two
-generation TPs of the same workload the same way.
+stage kind, how often the two disagree on "fits in memory", how often they order two
+generation TPs of the same workload the same way, and the memory gap: planner / truth peak memory
+per GPU of the training and inference configurations (the planner's predicted peak without the
+plans' reserve, and with it; generation engines take their memory fraction up front on both sides,
+so their footprint is set, not predicted). ``--before PATH`` carries an earlier run's memory gap into
+the JSON beside this one (e.g. the truth's conventions before issue 32).
 
     .venv/bin/python benchmarks/differential.py --json benchmarks/results/differential.json
 """
@@ -30,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from nereus.errors import NereusError  # noqa: E402
 from nereus.models.inventory import check_tp  # noqa: E402
 from nereus.models.spec import preset  # noqa: E402
+from nereus.planner.cost.estimates import reserve_bytes  # noqa: E402
 from nereus.planner.cost.model import estimate  # noqa: E402
 from nereus.planner.cost.params import CostParams  # noqa: E402
 from nereus.planner.plan import StagePlacement  # noqa: E402
@@ -94,16 +101,22 @@ def evaluate(case: dict, params: CostParams, steps: int = 8) -> dict:
     resident = 0.0
     if not ms.endswith("generation"):
         psi = params_per_gpu(job.model(role), cfg.tp, cfg.pp, value_head=role == "critic")
-        resident = state_bytes(psi, cfg.dp, cfg.zero, role in ("actor", "critic"))
+        # the stage's own state, as the planner's estimate counts it: a training stage holds its model's
+        # training states, an inference pass the weights it reads (an actor's training states sit on
+        # its home pool; a plan, not a stage estimate, adds them)
+        resident = state_bytes(psi, cfg.dp, cfg.zero, ms.endswith("training") and role in ("actor", "critic"))
     gt = GroundTruth(job, cluster, constant_trace(w, cluster.num_gpus, steps), seed=0)
     t, peak = gt.stage_times(s, np.arange(steps), resident)
-    truth_fits = bool(np.all(np.isfinite(t)) and np.all(peak <= capacity_bytes(cluster.gpu.memory_gib)))
+    capacity = capacity_bytes(cluster.gpu.memory_gib)
+    truth_fits = bool(np.all(np.isfinite(t)) and np.all(peak <= capacity))
     truth_s = float(np.mean(t)) if np.all(np.isfinite(t)) else math.inf
     return {"model": case["model"], "gpu": case["gpu"], "stage": ms, "kind": ms.split("/")[1], "gpus": case["gpus"],
             "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "micro_batch": cfg.micro_batch, "zero": cfg.zero,
             "recompute": cfg.recompute, "mean": case["mean"], "cap": case["cap"], "sequences": w.sequences,
             "planner_s": est.time_s, "truth_s": truth_s, "planner_fits": bool(est.fits), "truth_fits": truth_fits,
-            "planner_mem_gib": est.mem_bytes / 2**30, "truth_mem_gib": float(np.max(peak)) / 2**30}
+            "planner_mem_gib": est.mem_bytes / 2**30, "truth_mem_gib": float(np.max(peak)) / 2**30,
+            "planner_mem_model_gib": (est.mem_bytes - reserve_bytes(est)) / 2**30,
+            "planner_capacity_gib": est.capacity_bytes / 2**30, "truth_capacity_gib": capacity / 2**30}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -120,6 +133,25 @@ def summarise(rows: list[dict]) -> dict:
                      "within_20pct": float(np.mean(np.abs(ratio - 1) <= 0.2)),
                      "fits_disagree": len(fit_dis),
                      "planner_fits_truth_ooms": sum(1 for r in fit_dis if r["planner_fits"])}
+    return out
+
+
+def memory_gap(rows: list[dict]) -> dict:
+    """Planner / truth peak memory per GPU, per stage kind (training, inference) and over both: the
+    planner's model (no reserve) and its plans' figure (with ``mem_reserve_frac``)."""
+    out = {}
+    for kind in ("training", "inference", "all"):
+        rs = [r for r in rows if r["kind"] != "generation" and (kind == "all" or r["kind"] == kind)
+              and r["truth_mem_gib"] > 0]
+        if not rs:
+            continue
+        d = {"configs": len(rs)}
+        for name, col in (("model", "planner_mem_model_gib"), ("with_reserve", "planner_mem_gib")):
+            ratio = np.array([r[col] / r["truth_mem_gib"] for r in rs if col in r])
+            if len(ratio):
+                d[name] = {"median": float(np.median(ratio)), "p10": float(np.percentile(ratio, 10)),
+                           "p90": float(np.percentile(ratio, 90)), "min": float(ratio.min()), "max": float(ratio.max())}
+        out[kind] = d
     return out
 
 
@@ -156,12 +188,15 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", type=int, default=240)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows and the summary as JSON")
+    ap.add_argument("--before", help="an earlier run's JSON: its memory gap is carried into this one as memory_gap_before")
+    ap.add_argument("--before-label", default="before", help="what the earlier run was (written beside its gap)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     params = CostParams()
     rows = [evaluate(c, params) for c in sample(rng, args.configs)]
     summary = summarise(rows)
+    gap = memory_gap(rows)
     ranking = tp_ranking(rng, params)
     print(f"SIMULATED differential: planner cost model vs ground truth, {len(rows)} random configurations "
           f"({time.perf_counter() - t0:.0f} s)")
@@ -173,10 +208,21 @@ def main(argv=None) -> int:
               f"{s['planner_fits_truth_ooms']:>24}")
     print(f"generation TP pairs ordered alike: {ranking['same_order']}/{ranking['pairs']} "
           f"({ranking['share_same_order']:.0%})")
+    print("memory, planner / truth peak per GPU (model = no reserve; plan = with mem_reserve_frac):")
+    for kind, g in gap.items():
+        print(f"  {kind:10} n={g['configs']:>3}  model median {g['model']['median']:.2f} "
+              f"(p10 {g['model']['p10']:.2f}, p90 {g['model']['p90']:.2f}, range {g['model']['min']:.2f}-{g['model']['max']:.2f})"
+              f"  plan median {g['with_reserve']['median']:.2f} (range {g['with_reserve']['min']:.2f}-{g['with_reserve']['max']:.2f})")
+    out = {"label": "SIMULATED", "seed": args.seed, "summary": summary, "memory_gap": gap,
+           "generation_tp_ranking": ranking}
+    if args.before:
+        prev = json.loads(Path(args.before).read_text())
+        out["memory_gap_before"] = {"what": args.before_label, "summary": prev.get("summary"),
+                                    "memory_gap": prev.get("memory_gap") or memory_gap(prev["rows"])}
+    out["rows"] = rows
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"label": "SIMULATED", "seed": args.seed, "summary": summary,
-                                               "generation_tp_ranking": ranking, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

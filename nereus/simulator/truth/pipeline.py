@@ -11,8 +11,8 @@ parameters twice and reduce-scatters the gradients, and whatever of that the mic
 does not hide is exposed) and the optimizer step (``ADAM_BYTES`` per parameter shard at HBM speed).
 
 Memory per micro-batch: the activations of the micro-batches in flight (1F1B keeps up to pp on the
-first stage) + logits on the last stage (+ FSDP's gathered layers), with the allocator's slack; the
-step's peak is the largest. The caller adds the pool's resident states: a step whose sampled batch
+first stage) + logits on the last stage (+ FSDP's gathered layers): allocated memory, the
+conventions in ``memory.py``; the step's peak is the largest. The caller adds the pool's resident states: a step whose sampled batch
 does not fit is an OOM.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 from nereus.models.spec import ModelSpec
 from nereus.simulator.truth.corpus import Tables
 from nereus.simulator.truth.kernels import microbatch_s, per_length
-from nereus.simulator.truth.memory import FRAGMENTATION, act_bytes_per_token_layer, layer_params_per_gpu, params_per_gpu
+from nereus.simulator.truth.memory import (FRAGMENTATION, LOGITS_BYTES_INFER, LOGITS_BYTES_TRAIN, act_bytes_per_token_layer,
+                                           layer_params_per_gpu, params_per_gpu)
 
 ADAM_BYTES = 30.0
 """Bytes read + written per parameter of the shard in one Adam step (fp32 master, m, v, grad; bf16 copy)."""
@@ -234,10 +235,10 @@ def _transient_bytes(st: StageSpec, tokens: np.ndarray) -> np.ndarray:
             act = inflight * layers * 2 * mdl.hidden / st.sp + biggest * per_tok
         else:
             act = inflight * layers * per_tok
-        act = act + biggest / st.sp * vocab * 10
+        act = act + biggest / st.sp * vocab * LOGITS_BYTES_TRAIN
     else:
         biggest = tokens.max(axis=-1)
-        act = biggest * per_tok * 2 + biggest / st.sp * vocab * 6
+        act = biggest * per_tok * 2 + biggest / st.sp * vocab * LOGITS_BYTES_INFER
     if st.zero >= 3:
         act = act + 2 * 2 * layer_params_per_gpu(mdl, st.tp)
     return act.reshape(act.shape[0], -1).max(axis=1)
