@@ -100,9 +100,10 @@ def _memory(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     w = Workload(sequences=max(1, mb * micro * dp), prompt_len=max(1, seq - 1), response_len_mean=1, response_len_max=1)
     e = estimate(_one_model_job(model), _replica_cluster(gpu, gpus), "actor/training", cfg, w, p)
     peak = e.mem_bytes - reserve_bytes(e)
-    if m == "peak_allocated_gib":
-        peak -= e.mem_breakdown.get("fragmentation", 0.0)
-    elif m != "peak_reserved_gib":
+    if m == "peak_reserved_gib":  # the caching allocator's slack over the transients that come and go
+        b = e.mem_breakdown
+        peak += (p.mem_fragmentation - 1) * (b.get("activations", 0.0) + b.get("logits", 0.0))
+    elif m != "peak_allocated_gib":
         raise Unsupported(f"training metric {m!r}: peak_allocated_gib or peak_reserved_gib")
     return peak / GiB
 

@@ -70,14 +70,15 @@ def _train(p, zero=1, pp=1):
     return estimate(job, node, "actor/training", ParallelConfig(tp=1, pp=pp, dp=8 // pp, zero=zero), w, p)
 
 
-def test_reserve_is_the_fraction_of_the_peak_and_fragmentation_scales_transients():
+def test_reserve_is_the_fraction_of_the_peak_and_fragmentation_stays_out_of_plans():
+    """The reserve is a fraction of the plan's peak; the allocator's slack (fitted on reserved-memory
+    rows) predicts reserved measurements only: a plan's estimate does not change with it."""
     p0 = replace(CostParams(), mem_reserve_frac=0.0, mem_fragmentation=1.0)
     e0 = _train(p0)
     e1 = _train(replace(p0, mem_reserve_frac=0.2))
     assert reserve_bytes(e0) == 0
     assert reserve_bytes(e1) == pytest.approx(0.2 * e0.mem_bytes)
     e2 = _train(replace(p0, mem_fragmentation=1.5))
-    b = e0.mem_breakdown
-    assert e2.mem_breakdown["fragmentation"] == pytest.approx(0.5 * (b["activations"] + b["logits"]))
+    assert e2.mem_bytes == e0.mem_bytes and "fragmentation" not in e2.mem_breakdown
     assert e0.mem_breakdown["fsdp_unsharded"] == 0
     assert _train(p0, zero=3).mem_breakdown["fsdp_unsharded"] > 0

@@ -18,9 +18,11 @@ from test_solver import random_instance  # noqa: E402
 solve_mod = sys.modules["nereus.planner.solver.solve"]
 
 
-def _tight(seed: int = 0, memory_gib: float = 2.0) -> PlanProblem:
+def _tight(seed: int = 0, memory_gib: float = 2.4) -> PlanProblem:
     """Every model-stage has configs that fit alone (non-empty option tables), but no combination
-    fits at once: 1.5 GiB usable per GPU (2 GiB - 0.5 reserved) for instance 0."""
+    fits at once: 1.9 GiB usable per GPU (2.4 GiB - 0.5 reserved) for instance 0 (with the measured
+    memory conventions and the held-out reserve: 2.3 GiB leaves a model-stage with no config, 2.5
+    fits a plan)."""
     p = random_instance(seed)
     return replace(p, cluster=replace(p.cluster, gpu=replace(p.cluster.gpu, memory_gib=memory_gib)))
 

@@ -143,10 +143,13 @@ class CostParams:
     """Per-GPU transient workspace of a running stage (allocator, kernels, buffers)."""
     mem_fragmentation: float = 1.843
     """PyTorch's caching allocator holds more than the live tensors (``max_memory_reserved`` over
-    ``max_memory_allocated``): the factor on a training or log-prob pass's activations and logits
-    (the transient allocations that come and go every micro-batch). Fitted, 1.843, on the corpus's fit
-    ``memory`` rows that report reserved memory (``nereus.fidelity.fit.fit_memory_params``), never
-    on a held-out row; 1.0 = no slack."""
+    ``max_memory_allocated``): the factor on a training pass's activations and logits by which a
+    *reserved*-memory measurement exceeds the allocated peak. Fitted, 1.843, on the corpus's fit
+    ``memory`` rows that report reserved memory (``nereus.fidelity.fit.fit_memory_params``), never on
+    a held-out row, and used only to predict such rows. Plans are checked on allocated memory plus
+    ``mem_reserve_frac``: those reserved peaks sit at 84 of 95 GiB whatever the sequence length
+    (torchtitan), which is cache the allocator frees and retries with before it reports an out of
+    memory, not memory a step needs (the simulator's ground truth counts allocated memory too)."""
     mem_reserve_frac: float = 0.13
     """Memory a plan keeps in reserve beyond its predicted peak on every training and inference
     stage, as a fraction of that peak (``estimates.finish`` adds it to resident and transient

@@ -199,7 +199,6 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
     logits = tok * vocab_out * p.logits_bytes * p.logits_copies_train
     transient = {"activations": act, "logits": logits, "fsdp_unsharded": fsdp_unsharded_bytes(psi, cfg, layers_here,
                                                                                           model.dtype_bytes),
-                 "fragmentation": (p.mem_fragmentation - 1) * (act + logits),
                  "workspace": p.workspace_gib * GiB}
     return finish(ms, cfg, t, "training", p, resident, transient, cluster)
 
@@ -293,6 +292,6 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
     act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / split
     act, logits = tok * act_tok_layer, tok * vocab_out * p.logits_bytes
-    transient = {"activations": act, "logits": logits, "fragmentation": (p.mem_fragmentation - 1) * (act + logits),
+    transient = {"activations": act, "logits": logits,
                  "workspace": p.workspace_gib * GiB}
     return finish(ms, cfg, t, "inference", p, resident, transient, cluster)
