@@ -280,7 +280,6 @@ class DistTransport(Transport):
         self._pg = group if group is not None else dist.group.WORLD
         members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
         self._group_rank = {g: g if group is None else dist.get_group_rank(group, g) for g in members}
-        self._limits: dict[float, timedelta] = {}
         self._vote_group = group
         if not self.streaming:  # NCCL: the vote and the step counts go on a gloo side group (host tensors)
             from nereus.executor.launch import joined_timeout_s
@@ -323,10 +322,7 @@ class DistTransport(Transport):
         return TransitionError(f"rank {self.rank}: {what} failed: {str(e).splitlines()[0]}")
 
     def _limit(self, timeout_s: float) -> timedelta:
-        limit = self._limits.get(timeout_s)
-        if limit is None:
-            limit = self._limits[timeout_s] = timedelta(seconds=timeout_s)
-        return limit
+        return timedelta(seconds=timeout_s)  # a wait's limit is what is left of a deadline: new each time
 
     def _wait(self, works: list, timeout_s: float) -> None:
         if not self.streaming:

@@ -161,9 +161,9 @@ def _host_ints(values: list[torch.Tensor]) -> list[int]:
 def checksums_of(parts: list[torch.Tensor]) -> list[int]:
     """``checksum`` of each tensor; for device tensors the hashes are computed on the device and
     only their 8 bytes each come to the host, together (one message's pieces: one copy)."""
-    if parts and (parts[0].device.type != "cpu" or DEVICE_HASH_ON_CPU):
+    if parts and not on_host(parts[0]):
         return _host_ints([device_hash(p) for p in parts])
-    return [checksum(p) for p in parts]
+    return host_sums(parts)
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -253,13 +253,33 @@ def _streamed_xxh3(t: torch.Tensor) -> int:
     return lib.XXH3_64bits_digest(state) & 0x7FFFFFFFFFFFFFFF
 
 
+def host_sums(parts: list[torch.Tensor]) -> list[int]:
+    """``checksum`` of each CPU tensor (host XXH3), with the per-call work cut to the bone for the
+    common case, a contiguous piece: one libxxhash call on its memory. Same values as ``checksum``."""
+    fn = _XXH3
+    if fn is None:
+        return [checksum(p) for p in parts]
+    return [fn(p.data_ptr(), p.nbytes) & _MASK if p.is_contiguous() else checksum(p) for p in parts]
+
+
+_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s checksums are host XXH3 (a CPU tensor, ``NEREUS_DEVICE_CHECKSUM`` unset)."""
+    return t.is_cpu and not DEVICE_HASH_ON_CPU
+
+
 class SourceSums:
     """Checksums of the source pieces of one transition (views of this rank's old regions, in
     canonical order, see ``apply``); a piece going to several peers is checksummed once."""
 
     def __init__(self, store) -> None:  # a ShardStore (not imported: the store imports this module)
-        self.sources = {t.untyped_storage().data_ptr() for _, t in store.items()}
+        self.sources = {t.untyped_storage().data_ptr() for t in store.tensors()}
         self.memo: dict[tuple, int] = {}
+        self._by_id: dict[int, tuple[torch.Tensor, int]] = {}
+        """id(view) -> (the view, kept alive so its id is not reused, its checksum): the same view
+        object sent to several peers or also copied locally is looked up without a key."""
 
     def made_for_message(self, buf: torch.Tensor) -> bool:
         """A packed bucket or a contiguous copy, not a view of a source region."""
@@ -268,28 +288,36 @@ class SourceSums:
     def __call__(self, piece: torch.Tensor) -> int:
         """Checksum of ``piece``, a view of a source region, read from that region itself (never
         from a copy made for a message: a fault in packing must not be checked against itself)."""
-        key = (piece.data_ptr(), tuple(piece.shape), piece.stride(), piece.dtype)
-        value = self.memo.get(key)
-        if value is None:
-            value = self.memo[key] = checksum(piece)
-        return value
+        return self.message(piece, [piece])[0]
 
     def message(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
         """The checksums of the pieces one outgoing message carries, in order, each hashed from
         its source region (``buf``, their packed copy, is not read: the receiver's hash of what
         landed is compared with the source, so packing is checked too). On a device: hashed
         there, 8 bytes per piece read back at once."""
-        if buf.device.type != "cpu" or DEVICE_HASH_ON_CPU:
-            return self._on_device(buf, parts)
-        return [self(part) for part in parts]
+        by_id = self._by_id
+        out: list[int | None] = []
+        todo: list[int] = []
+        for i, p in enumerate(parts):
+            hit = by_id.get(id(p))
+            if hit is None:
+                value = self.memo.get((p.data_ptr(), p.shape, p.stride(), p.dtype))
+                if value is None:
+                    todo.append(i)
+                else:
+                    by_id[id(p)] = (p, value)
+                out.append(value)
+            else:
+                out.append(hit[1])
+        if todo:
+            fresh = [parts[i] for i in todo]
+            values = host_sums(fresh) if on_host(buf) else _host_ints([device_hash(p) for p in fresh])
+            for i, p, value in zip(todo, fresh, values):
+                out[i] = value
+                self.memo[(p.data_ptr(), p.shape, p.stride(), p.dtype)] = value
+                by_id[id(p)] = (p, value)
+        return out  # type: ignore[return-value]
 
     def many(self, parts: list[torch.Tensor]) -> list[int]:
         """The checksums of source pieces not sent in one message (local copies), together."""
         return self.message(parts[0], parts) if parts else []
-
-    def _on_device(self, buf: torch.Tensor, parts: list[torch.Tensor]) -> list[int]:
-        keys = [(p.data_ptr(), tuple(p.shape), p.stride(), p.dtype) for p in parts]
-        todo = [i for i, k in enumerate(keys) if k not in self.memo]
-        for i, value in zip(todo, _host_ints([device_hash(parts[i]) for i in todo])):
-            self.memo[keys[i]] = value
-        return [self.memo[k] for k in keys]

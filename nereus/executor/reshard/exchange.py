@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch
 
 from nereus.errors import TransitionError
 import nereus.executor.reshard.checksum as checksum_mod
-from nereus.executor.reshard.checksum import SourceSums, checksums_of
+from nereus.executor.reshard.checksum import SourceSums
 from nereus.executor.reshard.faults import _Corruption, _corrupt_packed, _flip_bit
 from nereus.executor.store import ShardStore
 from nereus.executor.transport import Transport
@@ -28,24 +28,26 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     comparison of this exchange's pieces with their sources' checksums (run by the next
     exchange, or after the last)."""
     t0 = time.perf_counter()
-    incoming = 0
+    incoming = sent = 0
     local: list[tuple] = []
-    landing: dict[int, Region] = {}
-    for what, peer, view, nbytes, region in items:
+    recv_pieces: dict[int, int] = defaultdict(int)
+    submit_send, submit_recv = transport.submit_send, transport.submit_recv
+    for it in items:
+        what = it[0]
         if what == "send":
-            transport.submit_send(peer, view)
-            counters["sent"] += nbytes
+            submit_send(it[1], it[2])
+            sent += it[3]
         elif what == "recv":
-            transport.submit_recv(peer, view)
-            landing[id(view)] = region
-            incoming += nbytes
+            submit_recv(it[1], it[2])
+            recv_pieces[it[1]] += 1
+            incoming += it[3]
         else:
-            local.append((peer, view, nbytes, region))
+            local.append(it)
+    counters["sent"] += sent
     sums_out: dict[int, list[int]] = defaultdict(list)
     posted = transport.start(before_send=lambda peer, buf, parts: sums_out[peer].extend(sums.message(buf, parts)),
                              after_pack=(lambda sends, carried: _corrupt_packed(sends, carried, sums, corrupt))
                              if corrupt is not None and corrupt.armed("corrupt-pack") else None)
-    recv_peers = [peer for peer, _ in posted.recvs] if posted else []
     if posted is not None:
         staging = sum(b.numel() * b.element_size() for i, (_, b) in enumerate(posted.recvs) if posted.staged[i])
         staging += sum(b.numel() * b.element_size() for _, b in posted.sends if sums.made_for_message(b))
@@ -56,31 +58,16 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
     for peer, values in sorted(sums_out.items()):
         transport.submit_send(peer, torch.tensor(values, dtype=torch.int64, device=store.device))
     sums_in: dict[int, torch.Tensor] = {}
-    for peer, n in sorted(Counter(op[1] for op in items if op[0] == "recv").items()):
+    for peer, n in sorted(recv_pieces.items()):
         sums_in[peer] = torch.empty(n, dtype=torch.int64, device=store.device)
         transport.submit_recv(peer, sums_in[peer])
     posted_sums = transport.start()
-    copies: list[tuple[Region, int, int]] = []
-    copied: list[tuple[Region, torch.Tensor, torch.Tensor]] = []
-    on_host = store.device.type == "cpu" and not checksum_mod.DEVICE_HASH_ON_CPU
-    for source, target, nbytes, region in local:
-        target.copy_(source)
-        if corrupt is not None and corrupt.armed("corrupt-copy") and target.numel():
-            _flip_bit(target)  # the fault: a bit of the first copy's first element flipped after the copy
-            corrupt.fired = True
-        if on_host:  # both ends hashed right after the copy, bytes still in cache
-            copies.append((region, sums(source), checksum_mod.checksum(target)))
-        else:
-            copied.append((region, source, target))
-        counters["copied"] += nbytes
-    if copied:  # on a device: every copy's two ends hashed together, one read-back each, not 2 host syncs per copy
-        copies = list(zip([r for r, _, _ in copied], sums.many([s for _, s, _ in copied]),
-                          checksums_of([t for _, _, t in copied])))
-    del copied
+    copies = _copy_locally(local, store, sums, counters, corrupt)
     if verify_previous is not None:
         verify_previous()
     t1 = time.perf_counter()
-    got: dict[int, list[tuple[Region, int]]] = defaultdict(list)
+    got: dict[int, list[tuple[list[torch.Tensor], list[int]]]] = defaultdict(list)
+    """Per peer, per message in order: the pieces that landed and their checksums there."""
 
     def arrived(i: int, buf: torch.Tensor) -> None:
         if corrupt.armed("corrupt") and buf.numel():
@@ -88,13 +75,14 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
             corrupt.fired = True
 
     staged_lists = {id(p) for p in posted.staged if p is not None} if posted is not None else set()
+    unpack_fault = corrupt is not None and corrupt.armed("corrupt-unpack")
 
     def landed(peer: int, parts: list[torch.Tensor]) -> None:
-        if (corrupt is not None and corrupt.armed("corrupt-unpack") and parts and parts[0].numel()
+        if (unpack_fault and corrupt.armed("corrupt-unpack") and parts and parts[0].numel()
                 and (id(parts) in staged_lists or not staged_lists)):
             _flip_bit(parts[0])  # the fault: a bit of an unpacked piece flipped in its destination region
             corrupt.fired = True
-        got[peer].extend(zip((landing[id(part)] for part in parts), checksums_of(parts)))
+        got[peer].append((parts, checksum_mod.checksums_of(parts)))
 
     deadline = time.monotonic() + timeout_s  # one deadline for the exchange: its data and its checksums
     transport.finish(posted, timeout_s, on_arrival=arrived if corrupt is not None and corrupt.armed("corrupt") else None,
@@ -111,17 +99,47 @@ def _run_round(items: list[tuple], store: ShardStore, rank: int, transport: Tran
             if have != want:
                 raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}: {_where(region)} differs "
                                       "from its source after the local copy")
-        for peer in sorted(set(recv_peers)):
+        for peer in sorted(recv_pieces):
             expected = sums_in[peer].tolist()
-            for k, (region, have) in enumerate(got[peer]):
-                if have != expected[k]:
-                    raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}: {_where(region)}, piece "
-                                          f"{k + 1} of {len(expected)} from rank {peer}, differs from its source "
-                                          f"after it landed")
+            have = [h for _, hs in got[peer] for h in hs]
+            if have != expected:
+                k = next((k for k, (a, b) in enumerate(zip(have, expected)) if a != b), min(len(have), len(expected)))
+                part = ([p for ps, _ in got[peer] for p in ps] + [None])[k]
+                region = next((it[4] for it in items if it[0] == "recv" and it[2] is part), None)
+                where = _where(region) if region is not None else f"{len(have)} pieces landed"
+                raise TransitionError(f"rank {rank}: checksum mismatch in round {rnd}: {where}, piece {k + 1} of "
+                                      f"{len(expected)} from rank {peer}, differs from its source after it landed")
         counters["received"] += incoming
         counters["verify_s"] += time.perf_counter() - t2
 
     return verify
+
+
+def _copy_locally(local: list[tuple], store: ShardStore, sums: SourceSums, counters: dict,
+                  corrupt: "_Corruption | None") -> list[tuple[Region, int, int]]:
+    """Run this exchange's local copies; (piece, its source's checksum, its target's checksum
+    after the copy) each. On the host each target is hashed right after its copy (its bytes still
+    in cache; the source's checksum is the one its sends took, or taken here); on a device every
+    copy's two ends are hashed together, one read-back each, not 2 host syncs per copy."""
+    if not local:
+        return []
+    want = sums.many([it[1] for it in local])
+    have: list[int] = []
+    host = checksum_mod.on_host(local[0][2])
+    hash_one = checksum_mod.host_sums
+    copied = 0
+    for _, source, target, nbytes, _ in local:
+        target.copy_(source)
+        if corrupt is not None and corrupt.armed("corrupt-copy") and target.numel():
+            _flip_bit(target)  # the fault: a bit of the first copy's first element flipped after the copy
+            corrupt.fired = True
+        if host:
+            have += hash_one([target])
+        copied += nbytes
+    counters["copied"] += copied
+    if not host:
+        have = checksum_mod.checksums_of([it[2] for it in local])
+    return [(it[4], w, h) for it, w, h in zip(local, want, have)]
 
 
 def _where(r: Region) -> str:

@@ -6,13 +6,14 @@ store: every rank derives the same exchanges and the same piece order."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import replace
 
 import torch
 
 from nereus.errors import TransitionError
 from nereus.executor.arena import empty_regions, mostly_dead
 from nereus.executor.reshard.checksum import checksum
+from nereus.executor.reshard.recipe import Geometry, dense, geometry, join_key, join_record, recipe, same_items
+from nereus.executor.reshard.recipe import view as view_of
 from nereus.executor.store import TORCH_DTYPES, ShardStore, contains, cover_error, narrowed
 from nereus.planner.transition.types import Region, TransitionPlan
 
@@ -21,40 +22,43 @@ class _NewLayout:
     """The rank's destination regions being filled, with the pieces that land in each."""
 
     def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -> None:
-        kept = {h.region for h in plan.kept if h.gpu == rank}
-        self.tensors: dict[Region, torch.Tensor] = {}
-        self.filled: dict[Region, list[Region]] = {}
-        self.kept = kept
-        self.by_key: dict[tuple[str, str, str], list[Region]] = defaultdict(list)
-        fresh = []
-        for h in plan.dst:
-            if h.gpu != rank:
-                continue
-            self.by_key[h.region.key].append(h.region)
-            if h.region in kept:
-                self.tensors[h.region] = store.get(h.region)
-            else:
-                fresh.append(h.region)
-                self.filled[h.region] = []
+        rec = self.recipe = recipe(plan, rank, major)
+        self.kept = kept = rec.kept
+        self.tensors: dict[Region, torch.Tensor] = {r: store.get(r) for r in rec.held}
+        self.filled: dict[Region, list[Region]] = {r: [] for r in rec.fresh}
         # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
-        held = sorted(kept)
+        held = rec.held
         self.relocated = [r for r, move in zip(held, mostly_dead([self.tensors[r] for r in held])) if move]
-        self.tensors.update(empty_regions(fresh + self.relocated, TORCH_DTYPES, store.device, major))
+        self.tensors.update(empty_regions(rec.fresh + self.relocated, TORCH_DTYPES, store.device, major))
         for r in self.relocated:
             self.tensors[r].copy_(store.get(r))
         self.relocated_bytes = sum(r.nbytes for r in self.relocated)
+        self._homes: dict[tuple[str, str, str], list[tuple[Region, torch.Tensor, list[Region]]]] | None = None
 
-    def target(self, piece: Region) -> torch.Tensor:
-        if piece in self.filled:  # a whole new region (the common case)
-            self.filled[piece].append(piece)
-            return self.tensors[piece]
-        for r in self.by_key.get(piece.key, ()):
-            if r not in self.kept and contains(r, piece):
-                self.filled[r].append(piece)
-                return narrowed(self.tensors[r], r, piece)
+    def _home(self, piece: Region) -> tuple[Region, torch.Tensor, list[Region]]:
+        if self._homes is None:  # per (model, tensor, kind): the new regions, their tensors and pieces
+            self._homes = defaultdict(list)
+            for r, pieces in self.filled.items():
+                self._homes[r.key].append((r, self.tensors[r], pieces))
+        for home in self._homes.get(piece.key, ()):
+            if contains(home[0], piece):
+                return home
         raise TransitionError(f"transfer of {piece.tensor}/{piece.kind} at {piece.offsets}+{piece.lengths} lands in "
                               "no destination region of this rank")
+
+    def target(self, piece: Region) -> torch.Tensor:
+        r, t, pieces = self._home(piece)
+        pieces.append(piece)
+        return t if r.offsets == piece.offsets and r.lengths == piece.lengths else narrowed(t, r, piece)
+
+    def wire_target(self, piece: Region, dim: int, record: bool = True) -> torch.Tensor:
+        """``_wire(target(piece))`` in one view (``record=False``: a joined piece, whose parts
+        were recorded)."""
+        r, t, pieces = self._home(piece)
+        if record:
+            pieces.append(piece)
+        return _wire_at(t, r, piece, dim)
 
     def allocated_bytes(self) -> int:
         return sum(self.tensors[r].numel() * self.tensors[r].element_size()
@@ -62,11 +66,15 @@ class _NewLayout:
 
     def check_complete(self, rank: int) -> None:
         """The plan's pieces tile every new region exactly: no overlap, no gap (checked on the
-        plan, before the exchange; that the right bytes landed is what the piece checksums check)."""
+        plan, before the exchange, once per recipe: a function of the plan alone; that the right
+        bytes landed is what the piece checksums check)."""
+        if self.recipe.cover_checked:
+            return
         for r, pieces in self.filled.items():
             why = cover_error(r, pieces)
             if why is not None:
                 raise TransitionError(f"rank {rank}: {why}")
+        self.recipe.cover_checked = self.recipe.ops is not None
 
     def verify_relocated(self, store: ShardStore, rank: int, major: dict[tuple[str, str], int]) -> None:
         """A kept region copied to the new arena holds its old bytes (compared in canonical order)."""
@@ -83,6 +91,21 @@ def _wire(view: torch.Tensor, region: Region, major: dict[tuple[str, str], int])
     d = major.get((region.model, region.tensor), 0)
     return view if d == 0 else view.movedim(d, 0)
 
+
+def _wire_at(t: torch.Tensor, outer: Region, inner: Region, dim: int) -> torch.Tensor:
+    """The part of ``t`` (holding ``outer``) that holds ``inner`` (inside it), with ``dim`` moved
+    first: the view ``_wire(narrowed(t, outer, inner))`` is, as one ``as_strided``."""
+    return view_of(t, geometry(t, outer, inner, dim))
+
+
+def _source(store: ShardStore, region: Region, dim: int) -> torch.Tensor:
+    """``_wire(store.read(region))``: the piece of a held region, in canonical order, one view."""
+    t = store.held(region)
+    if t is not None:
+        return t if dim == 0 else t.movedim(dim, 0)
+    outer, t = store.covering(region)
+    return _wire_at(t, outer, region, dim)
+
 STAGING_BYTES = 256 << 20
 """Default bound on one rank's staging buffers in one exchange (see ``round_groups``)."""
 
@@ -93,25 +116,86 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
     items in op-id order, and the bytes per round that go through a staging buffer here (pieces
     below ``bucket_bytes``, packed per peer, and pieces that are not one dense block in storage
     order). A wire view is the piece in its canonical order (``_wire``), the order it travels
-    and is checksummed in at both ends."""
+    and is checksummed in at both ends. A source piece sent to several peers (or also copied
+    here) is one view object: its checksum is taken once (``SourceSums``). The region math is
+    the plan's recipe (``reshard.recipe``), derived on first use; the views are made here, one
+    ``as_strided`` each."""
+    rec = new.recipe
+    src_t = None if rec.ops is None else [store.held(outer) for outer, _, _ in rec.sources]
+    if src_t is None or any(t is None for t in src_t):
+        _derive(rec, plan, store, new, rank, major)
+        src_t = [store.held(outer) for outer, _, _ in rec.sources]
+    dst_t = [new.tensors[r] for r in rec.fresh]
+    geo = _geometry(rec, src_t, dst_t)
+    filled = [[] for _ in rec.fresh]
     items: dict[int, list[tuple]] = defaultdict(list)
-    staged = [0] * plan.rounds
-    for op in plan.ops:  # sorted by (round, op id)
-        if op.src_gpu != rank and op.dst_gpu != rank:
-            continue
-        n = op.region.nbytes
-        if op.src_gpu == op.dst_gpu:
-            items[op.round].append(("copy", _wire(store.read(op.region), op.region, major),
-                                    _wire(new.target(op.region), op.region, major), n, op.region))
-            continue
-        if op.src_gpu == rank:
-            what, peer, view = "send", op.dst_gpu, _wire(store.read(op.region), op.region, major)
-        else:
-            what, peer, view = "recv", op.src_gpu, _wire(new.target(op.region), op.region, major)
-        items[op.round].append((what, peer, view, n, op.region))
-        if n < bucket_bytes or not view.is_contiguous():
-            staged[op.round] += n
+    staged = [0] * rec.rounds
+    src_views: list[torch.Tensor | None] = [None] * len(src_t)
+    g_src, g_dst, g_dense = geo.src, geo.dst, geo.dense
+    for k, (rnd, what, peer, n, region, s, h) in enumerate(rec.ops):
+        if s >= 0:
+            v = src_views[s]
+            if v is None:
+                v = src_views[s] = view_of(src_t[s], g_src[s])
+        if h >= 0:
+            filled[h].append(region)
+            if what == "copy":
+                items[rnd].append(("copy", v, view_of(dst_t[h], g_dst[k]), n, region))
+                continue
+            v = view_of(dst_t[h], g_dst[k])
+        items[rnd].append((what, peer, v, n, region))
+        if n < bucket_bytes or not g_dense[k]:
+            staged[rnd] += n
+    new.filled = dict(zip(rec.fresh, filled))
+    new._homes = None
     return items, staged
+
+
+def _derive(rec, plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int,
+            major: dict[tuple[str, str], int]) -> None:
+    """The recipe's ops (see ``Recipe.ops``) from the plan, with the lookups that find each
+    piece's held region and new region (a missing one raises ``TransitionError``, as before any
+    byte moves)."""
+    ops, sources, slot_of = [], [], {}
+    home_of = {r: i for i, r in enumerate(rec.fresh)}
+    top = -1
+    for op in plan.ops:  # sorted by (round, op id)
+        if op.round > top:
+            top = op.round
+        src, dst = op.src_gpu, op.dst_gpu
+        if src != rank and dst != rank:
+            continue
+        region = op.region
+        d = major.get((region.model, region.tensor), 0)
+        s = h = -1
+        if src == rank:
+            s = slot_of.get(region)
+            if s is None:
+                outer = region if store.held(region) is not None else store.covering(region)[0]
+                s = slot_of[region] = len(sources)
+                sources.append((outer, region, d))
+        if dst == rank:
+            h = home_of[new._home(region)[0]]
+        what = "copy" if src == dst else "send" if src == rank else "recv"
+        ops.append((op.round, what, dst if what == "send" else src, region.nbytes, region, s, h))
+    rec.ops, rec.sources, rec.rounds, rec.geometry = ops, sources, top + 1, None
+
+
+def _geometry(rec, src_t: list[torch.Tensor], dst_t: list[torch.Tensor]) -> Geometry:
+    """The recipe's views as ``as_strided`` parameters for these tensors: the cached ones while
+    every tensor has the strides they were computed for, else computed again."""
+    strides = tuple(t.stride() for t in src_t) + tuple(t.stride() for t in dst_t)
+    if rec.geometry is not None and rec.geometry.strides == strides:
+        return rec.geometry
+    src = [geometry(t, outer, piece, d) for t, (outer, piece, d) in zip(src_t, rec.sources)]
+    dst, dense_ = [], []
+    for rnd, what, peer, n, region, s, h in rec.ops:
+        g = None if h < 0 else geometry(dst_t[h], rec.fresh[h], region, rec.major.get((region.model, region.tensor), 0))
+        dst.append(g)
+        t, g = (dst_t[h], g) if what == "recv" else (src_t[s], src[s])
+        dense_.append(t.is_contiguous() if g is None else dense(g[0], g[1]))
+    rec.geometry = Geometry(strides, src, dst, dense_)
+    return rec.geometry
 
 
 def reserve_arena(store: ShardStore, plan: TransitionPlan, rank: int, *, staging_bytes: int | None = STAGING_BYTES,
@@ -165,18 +249,42 @@ def _merged(items: list[tuple], store: ShardStore, new: _NewLayout, major: dict[
 
     Example: rows [0, 64) and [64, 128) of ``mlp.up_proj.weight``/exp_avg from rank 0 to rank 2,
     in rounds 3 and 7 of one exchange -> rows [0, 128), at the place of the first."""
+    rec = new.recipe
+    key = join_key(items)
+    hit = rec.joins.get(key)
+    if hit is None or not same_items(hit[0], items):
+        hit = rec.joins[key] = (join_record(items), _joins(items, major))
+    joins = hit[1]
+    if joins is None:
+        return items
+    out = []
+    for j in joins:
+        if type(j) is int:
+            out.append(items[j])
+            continue
+        what, peer, n, joined, d = j
+        view = _source(store, joined, d) if what == "send" else new.wire_target(joined, d, record=False)
+        out.append((what, peer, view, n, joined))
+    return out
+
+
+def _joins(items: list[tuple], major: dict[tuple[str, str], int]) -> list | None:
+    """``_merged``'s plan for ``items`` (a function of their pieces alone): per item of the
+    result, the index of an item kept as it is, or (what, peer, bytes, joined piece, dim); None
+    when nothing joins."""
     runs: dict[tuple, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
         if it[0] != "copy":
             r = it[4]
             d = major.get((r.model, r.tensor), 0)
-            runs[(it[0], it[1], r.key, r.dtype, d, r.offsets[:d] + r.offsets[d + 1:],
+            runs[(it[0], it[1], r.model, r.tensor, r.kind, r.dtype, d, r.offsets[:d] + r.offsets[d + 1:],
                   r.lengths[:d] + r.lengths[d + 1:])].append(i)
     first: dict[int, tuple] = {}
     drop: set[int] = set()
-    for (what, peer, _, _, d, _, _), idx in runs.items():
+    for key, idx in runs.items():
         if len(idx) < 2:
             continue
+        what, peer, d = key[0], key[1], key[6]
         idx.sort(key=lambda i: items[i][4].offsets[d])
         chain = [idx[0]]
         for i in idx[1:] + [None]:
@@ -186,15 +294,14 @@ def _merged(items: list[tuple], store: ShardStore, new: _NewLayout, major: dict[
                 continue
             if len(chain) > 1:
                 lo = items[chain[0]][4]
-                joined = replace(lo, lengths=lo.lengths[:d] + (sum(items[j][4].lengths[d] for j in chain),)
-                                 + lo.lengths[d + 1:])
-                view = _wire(store.read(joined) if what == "send" else new.target(joined), joined, major)
-                first[min(chain)] = (what, peer, view, joined.nbytes, joined)
+                joined = Region(lo.model, lo.tensor, lo.kind, lo.offsets, lo.lengths[:d]
+                                + (sum(items[j][4].lengths[d] for j in chain),) + lo.lengths[d + 1:], lo.dtype)
+                first[min(chain)] = (what, peer, sum(items[j][3] for j in chain), joined, d)
                 drop.update(chain)
             chain = [i] if i is not None else []
     if not first:
-        return items
-    return [first.get(i, it) for i, it in enumerate(items) if i in first or i not in drop]
+        return None
+    return [first.get(i, i) for i in range(len(items)) if i in first or i not in drop]
 
 
 def round_groups(staged: list[int], staging_bytes: int | None) -> list[tuple[int, int]]:
