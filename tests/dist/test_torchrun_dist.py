@@ -50,4 +50,4 @@ def test_the_demo_under_torchrun_runs_on_its_processes_and_rank_0_writes_the_jso
 
 def test_the_demo_under_torchrun_refuses_hindsight_in_one_line(tmp_path):
     p = _torchrun(tmp_path, "demo", "--world", "2", "--steps", "2", "--policy", "all", "--out-dir", str(tmp_path))
-    assert p.returncode != 0 and "nereus demo: error: demo under torchrun: --policy all includes hindsight" in p.stderr, p.stderr
+    assert p.returncode != 0 and "nereus demo: error: demo under torchrun: --policy all includes model-hindsight" in p.stderr, p.stderr
