@@ -15,6 +15,7 @@ from nereus.planner.cost.plan_times import compose_step, evaluate_times
 from nereus.planner.online.calibration import OnlineCalibration
 from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.online.library import Candidate
+from nereus.planner.online.reserve import MemoryReserves
 
 from controller_env import env  # noqa: F401 - the scenario's module fixture
 from test_controller_split import CLUSTER, JOB
@@ -139,3 +140,25 @@ def test_a_plan_that_ran_out_of_memory_carries_its_crash_rate_over_the_horizon(e
     t = clean.times[0]
     assert math.isclose(struck.horizon_s, trapezoid([t + (t + crash) / 6] * 3, offsets), rel_tol=1e-9)
     assert struck.horizon_s > clean.horizon_s
+
+
+def test_a_config_that_ran_out_of_memory_holds_out_never_run_plans_as_hungry():
+    """An OOM in actor/training on config c at a predicted peak of 70 GiB; another config's clean
+    steps decay the stage reserve toward its own underestimate. A plan never run predicted at >= 70
+    GiB there stays out (SIMULATED ppo-32b: decayed reserves re-admitted such plans, 12
+    crash-restarts); one less hungry is judged by the reserves, the struck plan by its crash rate.
+    Another config running at 75 GiB does not lift the floor; c running at 72 GiB lifts it past 72."""
+    r = MemoryReserves(usable_gib=78.0, quantum_gib=1.0)
+    c, other = ("tp4", "mb2"), ("tp1", "mb1")
+    r.oom(("a",), {"actor/training": 70.0, "actor/generation": 60.0}, "actor/training", judged_fit=True,
+          configs={"actor/training": c})
+    for _ in range(30):
+        r.ran(("b",), {"actor/training": 40.0}, 41.0, configs={"actor/training": other})
+    assert r.stage_gib("actor/training") <= 1.0  # decayed: the reserves alone would re-admit a 70 GiB plan
+    assert r.hungrier(("new",), {"actor/training": 70.0})
+    assert not r.hungrier(("new",), {"actor/training": 69.0})
+    assert not r.hungrier(("a",), {"actor/training": 70.0})  # struck: priced by its crash rate
+    r.ran(("e",), {"actor/training": 75.0}, 76.0, configs={"actor/training": other})
+    assert r.hungrier(("new",), {"actor/training": 71.0})
+    r.ran(("d",), {"actor/training": 72.0}, 73.0, configs={"actor/training": c})
+    assert not r.hungrier(("new",), {"actor/training": 71.0}) and r.hungrier(("new",), {"actor/training": 73.0})

@@ -266,11 +266,13 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         key = self.plan.key()
         if m.oom:
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
-            self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred))
+            self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred),
+                            configs=self._configs(self.plan))
             self._ran_ok.pop(key, None)  # the evidence that it runs at this workload is void
         else:
             peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
-            self.memory.ran(key, peaks, None if m.peak_mem_gib is None else float(m.peak_mem_gib))
+            self.memory.ran(key, peaks, None if m.peak_mem_gib is None else float(m.peak_mem_gib),
+                            configs=self._configs(self.plan))
         if not m.oom and m.stage_times:  # evidence: this plan ran at this cap and mean length
             cap_mean = self._ran_ok.get(key)
             if cap_mean is None or cap_mean[0] != self._cap:

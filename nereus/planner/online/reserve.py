@@ -26,6 +26,12 @@ actor/training reserve to 7 GiB (strike 1); a step whose training could have nee
 lowers it by max(1, 0.2 x 6) / 2 = 0.6 GiB, to 6.4 (judged as 7 GiB: effective reserves are rounded
 up to the quantum, so that evaluations cached per reserve are shared).
 
+Floors (``floor``, ``hungrier``): a reserve decays toward the underestimates of the plans that run,
+which says nothing of a config that failed (underestimates differ between configs: TP4 and TP1
+training do not share one); a plan never run predicted at least as hungry in a model-stage as a
+config that ran out of memory there is held out, until that config runs that hungry. SIMULATED ppo-32b ramp_1024: without floors, decayed reserves
+re-admitted never-run plans hungrier than failed ones.
+
 Crash rate (``crash_rate``): a plan's strikes / (strikes + clean steps + 1). A reserve that decays
 re-admits a plan the model predicts to fit; the plan's own record says how often it did not. The
 controller adds the expected crash-restarts to every plan's seconds over the horizon.
@@ -82,6 +88,10 @@ class MemoryReserves:
         """Per plan that ran out of memory: how often."""
         self.runs: dict[tuple, int] = {}
         """Per plan: the steps it ran without running out of memory."""
+        self.floor: dict[tuple, float] = {}
+        """Per model-stage and config (``stage_key``): the predicted peak (GiB) from which plans
+        never run are held out, the lowest a plan that ran out of memory there with that config had
+        (raised past a peak that config ran at since)."""
 
     def _up(self, x: float) -> float:
         return min(self.quantum * math.ceil(max(0.0, x) / self.quantum - 1e-9), 0.75 * self.usable)
@@ -107,7 +117,8 @@ class MemoryReserves:
         fits every stage; the controller re-judges each stage itself)."""
         return self.common_gib + max((self.stage_gib(s) for s in self.stage), default=0.0)
 
-    def oom(self, key: tuple, peaks: Mapping[str, float], stage: str | None, judged_fit: bool) -> None:
+    def oom(self, key: tuple, peaks: Mapping[str, float], stage: str | None, judged_fit: bool,
+            configs: Mapping[str, tuple] | None = None) -> None:
         """Plan ``key`` ran out of memory (in ``stage`` when known); ``peaks``: its predicted peak per
         model-stage (GiB, generation included). ``judged_fit``: whether it was predicted to fit (a
         plan run for want of another teaches the shared reserves nothing new, but is struck)."""
@@ -121,8 +132,14 @@ class MemoryReserves:
             s = stage if stage in peaks else max(peaks, key=peaks.get)
             need, r = self.usable - peaks[s] + self.quantum, self.common
         r.raise_to(min(need, 0.75 * self.usable) if judged_fit else 0.0, oom=True)
+        s = stage if stage in peaks and stage != GENERATION else max(
+            (k for k in peaks if k != GENERATION), key=peaks.get, default=None)
+        if judged_fit and s is not None and configs and s in configs:
+            f = (s, configs[s])
+            self.floor[f] = min(self.floor.get(f, math.inf), peaks[s])
 
-    def ran(self, key: tuple, peaks: Mapping[str, float], observed_gib: float | None) -> None:
+    def ran(self, key: tuple, peaks: Mapping[str, float], observed_gib: float | None,
+            configs: Mapping[str, tuple] | None = None) -> None:
         """Plan ``key`` ran a step without OOM; ``peaks``: its predicted peak per model-stage other
         than generation (GiB); ``observed_gib``: the step's measured peak, when logged."""
         self.runs[key] = self.runs.get(key, 0) + 1
@@ -139,9 +156,22 @@ class MemoryReserves:
             self.common.decay_toward(self.usable - top, self.quantum, self.decay)
         ceiling = self.usable if observed_gib is None else float(observed_gib)
         for s, p in peaks.items():
+            f = (s, configs.get(s)) if configs else None
+            if f is not None and p >= self.floor.get(f, math.inf):  # this config ran this hungry
+                self.floor[f] = p + 1e-6
             r = self.stage.get(s)
             if r is not None:
                 r.decay_toward(ceiling - p - self.common_gib, self.quantum, self.decay)
+
+    def hungrier(self, key: tuple, peaks: Mapping[str, float]) -> bool:
+        """Whether plan ``key``, never run, is predicted at least as hungry (GiB) in a model-stage as
+        a config that ran out of memory there (``floor``; any config: need grows with the predicted
+        peak), whatever the reserves decayed to (they decay toward what other configs needed). Only
+        the failed config running that hungry lifts its floor: another config's clean step says
+        nothing of it (underestimates differ between configs)."""
+        if key in self.measured or key in self.struck or not self.floor:
+            return False
+        return any(peaks.get(s, -math.inf) >= f for (s, _), f in self.floor.items())
 
     def crash_rate(self, key: tuple) -> float:
         """Out-of-memory failures per step of plan ``key`` as measured: strikes / (strikes + clean
@@ -181,7 +211,12 @@ class MemoryReserve:
 
     def _fits(self, plan: Plan, t) -> bool:
         """The model's verdict with the plan's reserves, stage reserves included."""
-        return t.feasible and all(map(math.isfinite, t.stage_s.values())) and self._headroom(plan, t) >= 0
+        return (t.feasible and all(map(math.isfinite, t.stage_s.values())) and self._headroom(plan, t) >= 0
+                and not self.memory.hungrier(plan.key(), t.peak_mem_gib))
+
+    def _configs(self, plan: Plan) -> dict[str, tuple]:
+        """Each model-stage's config key (``library.stage_key``) of ``plan``."""
+        return {name: key for name, key, _ in self._stage_info(plan)}
 
     def _proven(self, plan: Plan, w: Workload, slack: float = 0.05) -> bool:
         """Measurement beats the memory model: ``plan`` already ran without OOM at ``w``'s cap and a
