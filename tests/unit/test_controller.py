@@ -102,8 +102,10 @@ def test_step_without_resolve_is_fast(setup):
     w = job.workload()
     ds = [ctl.step(_metrics(s, w, gt.observe(ctl.plan, w, s))) for s in range(15)]
     fast = sorted(d.overhead_s for d in ds if not d.resolved)
-    # median, not max: the machine is shared, and a step that misses the evaluation cache pays ~1 ms per plan
-    assert len(fast) >= 10 and fast[len(fast) // 2] < 0.005, fast
+    # median, not max: the machine is shared, and a step that misses the evaluation cache pays ~1 ms per
+    # plan; the bound tells cached evaluation (1-2 ms alone, ~10 ms beside a full test run) from a solve
+    # (100s of ms); the speed itself is a benchmark's business
+    assert len(fast) >= 10 and fast[len(fast) // 2] < 0.03, fast
 
 
 def test_forecast_follows_linear_growth_and_respects_cap():

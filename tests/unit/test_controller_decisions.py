@@ -48,8 +48,9 @@ def test_stays_and_switches_for_speed_are_neither_forced_nor_infeasible(env):
     probe = _ctl(env, _const(1.0))
     d = probe.step(_metrics(env, 0, probe.plan))
     assert d.action == "switch" and not d.must and d.feasible
-    frac = (probe.audit.records[-1]["current_horizon_s"] - min(
-        c["horizon_s"] for c in probe.audit.records[-1]["candidates"])) / probe.audit.records[-1]["current_horizon_s"]
+    rec = probe.audit.records[-1]  # a candidate that does not fit the horizon is audited with horizon_s None
+    frac = (rec["current_horizon_s"] - min(c["horizon_s"] for c in rec["candidates"] if c["horizon_s"] is not None)) \
+        / rec["current_horizon_s"]
     ctl = _ctl(env, _const(1.0), min_gain=1.01 * frac)
     d = ctl.step(_metrics(env, 0, ctl.plan))
     assert d.action == "stay" and "within model error" in d.reason, d.reason
