@@ -94,7 +94,7 @@ def test_every_baseline_runs_beside_adaptive_repeated_with_the_aa_spread_and_fac
     from nereus.demo.run import run_demo
     from nereus.demo.setup import AA_POLICY, POLICIES
 
-    cfg = DemoConfig(steps=3, world=2, budget_k=2.0, cap_schedule=((0, 8), (1, 96)), warmup_steps=4, prompts=4,
+    cfg = DemoConfig(steps=3, world=2, budget_k=2.0, cap_schedule=((0, 32), (1, 96)), warmup_steps=4, prompts=4,
                      samples=2, out_dir=str(tmp_path), timeout_s=300, repeats=2)
     out = run_demo(cfg, log=lambda *_: None)
     run = json.loads((tmp_path / "demo-run.json").read_text())
