@@ -1,40 +1,22 @@
 """The sender's checksum of every piece is taken from its source region, never from a copy made
 for the message: a fault in packing (``corrupt-pack``), in unpacking (``corrupt-unpack``) or in
 a local copy must roll every rank back. Threads over the mock transport."""
-import threading
 
 import pytest
 import torch
 
 import nereus.executor.reshard.checksum as store_mod
 from nereus.errors import TransitionError
-from nereus.executor.apply import FaultSpec, _NewLayout, _prepare, apply_transition
+from nereus.executor.apply import FaultSpec, _NewLayout, _prepare
 from nereus.executor.scenario import init_store, local_cluster, make_plan, mismatches, tiny_job
 from nereus.executor.store import ShardStore, SourceSums, checksum
-from nereus.executor.transport import BUCKET_BYTES, MockHub, MockTransport
+from nereus.executor.transport import BUCKET_BYTES
 from nereus.models.spec import preset
 from nereus.planner.transition.build import plan_transition
 
+from test_executor_verify import _run  # threads over the mock transport, one per rank
+
 JOB = tiny_job(preset("tiny-4l-128h"))
-
-
-def _run(tplan, stores, fault=None):
-    hub = MockHub(len(stores))
-    results: list = [None] * len(stores)
-
-    def run(r):
-        try:
-            results[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub), timeout_s=5.0, fault=fault)
-        except TransitionError as e:
-            results[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(stores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    return results
 
 
 def _zero1_case(precision="bf16-mixed"):
