@@ -229,18 +229,26 @@ def equalize(problem, plan: Plan) -> list[tuple[str, object]]:
 def choose(problem, optimum: Plan, solve, engine: str = "auto"):
     """(engine, plan, gaps of the optimum, tried): the optimum when an engine expresses it, else the
     fastest closest plan over the engines allowed."""
-    engines = ENGINES if engine == "auto" else (engine,)
     job = problem.job
+    return closest_over_engines(ENGINES if engine == "auto" else (engine,), optimum, job,
+                                lambda p, e: gaps(p, e, job), lambda e: candidates(problem, e),
+                                solve, lambda e: f"verl ({e})")
+
+
+def closest_over_engines(engines, optimum: Plan, job, gaps_of, candidates_of, solve, name_of):
+    """(engine, plan, gaps of the optimum, tried) over ``engines``: the first engine that expresses
+    ``optimum`` as it is, else the fastest closest plan any engine expresses (``gaps_of(plan, e)``,
+    ``candidates_of(e)``); the engines' errors joined when none fits. The sync and async trainers
+    share it."""
     for e in engines:
-        if not gaps(optimum, e, job):
+        if not gaps_of(optimum, e):
             return e, optimum, (), ()
     best = None
     tried: list = []
     errors = []
     for e in engines:
         try:
-            c = closest(candidates(problem, e), solve, lambda p, e=e: gaps(p, e, job), equalize, f"verl ({e})",
-                        repair(e, job))
+            c = closest(candidates_of(e), solve, lambda p, e=e: gaps_of(p, e), equalize, name_of(e), repair(e, job))
         except InfeasibleError as err:  # the other engine may still fit
             errors.append(str(err))
             continue
@@ -250,7 +258,7 @@ def choose(problem, optimum: Plan, solve, engine: str = "auto"):
     if best is None:
         raise InfeasibleError("; ".join(errors))
     e, c = best
-    return e, c.solution.plan, tuple(gaps(optimum, e, job)), tuple(tried)
+    return e, c.solution.plan, tuple(gaps_of(optimum, e)), tuple(tried)
 
 
 # ---- overrides -----------------------------------------------------------------------------

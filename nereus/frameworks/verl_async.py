@@ -51,10 +51,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from nereus.errors import InfeasibleError, SpecError
+from nereus.errors import SpecError
 from nereus.frameworks import verl
 from nereus.frameworks.asynchronous import job_for, schedule_of, shape_gap, split_skeletons
-from nereus.frameworks.common import (GEN, Emission, closest, gpu_range, nodes_and_gpus, overlap, same_gpus,
+from nereus.frameworks.common import (GEN, Emission, gpu_range, nodes_and_gpus, overlap, same_gpus,
                                       units)
 from nereus.planner.plan import Plan
 
@@ -123,27 +123,11 @@ def candidates(base, engine: str, near: Plan) -> list[tuple[str, object]]:
 
 def choose(problem, optimum: Plan, solve, engine: str, kind: str):
     """(engine, plan, gaps of the optimum, tried), as ``verl.choose`` but for the async trainers."""
-    engines = verl.ENGINES if engine == "auto" else (engine,)
-    cluster = problem.cluster
-    job = problem.job
-    for e in engines:
-        if not gaps(optimum, e, cluster, kind, job):
-            return e, optimum, (), ()
-    best, tried, errors = None, [], []
-    for e in engines:
-        try:
-            c = closest(candidates(problem, e, optimum), solve, lambda p, e=e: gaps(p, e, cluster, kind, job),
-                        verl.equalize, f"verl {kind} ({e})", verl.repair(e, job))
-        except InfeasibleError as err:
-            errors.append(str(err))
-            continue
-        tried += c.tried
-        if best is None or c.solution.objective < best[1].solution.objective:
-            best = (e, c)
-    if best is None:
-        raise InfeasibleError("; ".join(errors))
-    e, c = best
-    return e, c.solution.plan, tuple(gaps(optimum, e, cluster, kind, job)), tuple(tried)
+    cluster, job = problem.cluster, problem.job
+    return verl.closest_over_engines(verl.ENGINES if engine == "auto" else (engine,), optimum, job,
+                                     lambda p, e: gaps(p, e, cluster, kind, job),
+                                     lambda e: candidates(problem, e, optimum), solve,
+                                     lambda e: f"verl {kind} ({e})")
 
 
 # ---- overrides -------------------------------------------------------------------------------
