@@ -230,23 +230,48 @@ def restart_rows(directory=None) -> list[Row]:
     return load_file(Path(directory or DEFAULT_DIR) / RESTART_FILE, "restart")
 
 
-def restart_defaults(rows: Iterable[Row]) -> dict[str, tuple[float, list[str]]]:
-    """``RestartCost`` field -> (value, the fit-split row ids it comes from), each the median over
-    sources of each source's median (one source, one vote): ``write_gbps_per_node`` /
-    ``read_gbps_per_node`` from checkpoint write / read rates per node, ``engine_start_s`` from
-    inference-engine cold starts, ``relaunch_s`` from launch-to-first-step times minus that engine
-    start. Held-out rows (whole-restart checks) are dropped first."""
+def restart_defaults(rows: Iterable[Row]) -> dict:
+    """``RestartCost``'s defaults, each (value, the fit-split row ids it comes from), each the median
+    over sources of each source's median (one source, one vote); held-out rows (whole-restart checks)
+    are dropped first.
+
+    ``engine_start_s`` from inference-engine cold starts, ``relaunch_s`` from launch-to-first-step
+    times minus that engine start; under ``"storage"``, per storage kind (the rows' ``storage=``
+    config, ``restart.STORAGE_KINDS``; kinds are never mixed in one median): ``write_gbps_per_node``
+    / ``read_gbps_per_node`` from that kind's checkpoint write / read rates per node, a kind with no
+    read row reading at its write rate (the write rows' ids), and ``storage_gbps`` from its
+    aggregate-bandwidth rows, None where it has none."""
+    from nereus.planner.online.restart import STORAGE_KINDS
+
     use = fit_rows(list(rows))
-    out: dict[str, tuple[float, list[str]]] = {}
-    for field, metric in (("write_gbps_per_node", "ckpt_write_gbps_per_node"),
-                          ("read_gbps_per_node", "ckpt_read_gbps_per_node"), ("engine_start_s", "engine_start_s"),
-                          ("relaunch_s", "launch_to_first_step_s")):
-        mine = [r for r in use if r.metric == metric]
+
+    def vote(metric: str, kind: str | None = None) -> tuple[float, list[str]] | None:
+        mine = [r for r in use if r.metric == metric and (kind is None or r.get("storage") == kind)]
         if not mine:
+            return None
+        return float(np.median([np.median(v) for v in _by_source(mine).values()])), [r.id for r in mine]
+
+    for r in use:
+        rate = r.metric.startswith("ckpt_") or r.metric == "storage_aggregate_gbps"
+        if rate and r.get("storage") not in STORAGE_KINDS:
+            raise SpecError(f"restart row {r.id}: {r.metric} needs storage= one of {STORAGE_KINDS}, "
+                            f"got {r.get('storage')!r}")
+    out: dict = {}
+    for field, metric in (("engine_start_s", "engine_start_s"), ("relaunch_s", "launch_to_first_step_s")):
+        got = vote(metric)
+        if got is None:
             raise SpecError(f"no fit-split restart row of metric {metric!r}")
-        out[field] = (float(np.median([np.median(v) for v in _by_source(mine).values()])), [r.id for r in mine])
+        out[field] = got
     launch, ids = out["relaunch_s"]
     out["relaunch_s"] = (launch - out["engine_start_s"][0], ids)
+    out["storage"] = {}
+    for kind in STORAGE_KINDS:
+        write = vote("ckpt_write_gbps_per_node", kind)
+        if write is None:
+            raise SpecError(f"no fit-split checkpoint write row of storage {kind!r}")
+        out["storage"][kind] = {"write_gbps_per_node": write,
+                                "read_gbps_per_node": vote("ckpt_read_gbps_per_node", kind) or write,
+                                "storage_gbps": vote("storage_aggregate_gbps", kind)}
     return out
 
 

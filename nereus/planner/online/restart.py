@@ -9,10 +9,18 @@ configuration: the switch costs
 
 ``RestartCost`` holds the figures, each default read off the corpus's restart rows
 (``nereus/calibration/published/restart.csv``, ``nereus.fidelity.fit.restart_defaults``: median over
-sources of the fit-split rows; ``tests/unit/test_restart_costs.py`` ties each default to its rows),
-except ``storage_gbps``, which no row measures (an assumption). A job that has measured its own
-relaunch passes ``measured_s``, and the controller's transition calibration scales the prediction by
-the restarts it is told about, ``Controller.report_transition``.
+sources of the fit-split rows; ``tests/unit/test_restart_costs.py`` ties each default to its rows).
+The checkpoint rates depend on where the checkpoint goes, so they are kept per storage kind
+(``STORAGE_DEFAULTS``), never mixed in one median: a shared parallel / distributed file system
+(``parallel_fs``: Lustre, GPFS, Weka, VAST, Tectonic), node-local NVMe (``local_nvme``), an
+NFS-class NAS (``nfs``) and object storage (``object``). The default kind is ``parallel_fs``, what RL
+jobs on GPU clusters checkpoint to: verl saves through filesystem paths, each FSDP rank writing its
+shards, with no object-storage backend (verl-project/verl#7641), so a multi-node run needs a shared
+file system; AWS's slime/miles GRPO test case on H200 nodes (p5en) saves to FSx for Lustre
+(awslabs/awsome-distributed-ai ``3.test_cases/pytorch/miles/docs/VERIFICATION_LOG.md``), as does a
+NeMo RL GRPO run (NVIDIA-NeMo/RL#1847). A job that has measured its own relaunch passes
+``measured_s``, and the controller's transition calibration scales the prediction by the restarts it
+is told about, ``Controller.report_transition``.
 
 Bytes: a trainable model's checkpoint holds bf16 weights, the fp32 master copy and two fp32 Adam
 moments (2 + 4 + 4 + 4 = 14 bytes per parameter); a frozen model (reference, reward) is not saved and
@@ -20,11 +28,12 @@ is read back as bf16 weights (2 bytes per parameter). Storage: every node writes
 bandwidth, all nodes together at most at the storage system's aggregate bandwidth.
 
 Worked example (defaults, Llama-3.1-8B PPO: actor and critic 8.0e9 trainable, reference and reward
-8.0e9 frozen, on 16 nodes): save 2 x 8e9 x 14 B = 224 GB at min(16 x 0.4215, 40) = 6.74 GB/s = 33.2 s;
-load 224 GB + 2 x 8e9 x 2 B = 256 GB at min(16 x 0.12625, 40) = 2.02 GB/s = 126.7 s; + 174.15 s
-relaunch + 47.85 s engine: 381.9 s (the assumed defaults before: 90 s + 60 s, 2 / 4 GB/s per node,
-163.4 s). The paper's universal-checkpoint restarts of 8B actor/critic on H200 took 695.9-981.2 s
-(held-out rows ``paperuc-001/002``).
+8.0e9 frozen, on 16 nodes, ``parallel_fs``): save 2 x 8e9 x 14 B = 224 GB at min(16 x 0.9766, 2000)
+= 15.63 GB/s = 14.3 s; load 224 GB + 2 x 8e9 x 2 B = 256 GB at min(16 x 1.429, 2000) = 22.86 GB/s =
+11.2 s; + 174.15 s relaunch + 47.85 s engine: 247.5 s (``object``, the one rate source before: 381.9
+s; the assumed defaults before that: 163.4 s). The paper's universal-checkpoint restarts of 8B
+actor/critic on H200 took 695.9-981.2 s (held-out rows ``paperuc-001/002``; docs/fidelity.md,
+restart section, has the check).
 
 The decision of a restart-mode switch carries the new plan as the framework's launch configuration,
 so a training loop can relaunch with it. The planner does not import the framework emitters (they
@@ -35,6 +44,7 @@ plan's gaps).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -51,22 +61,55 @@ TRAINABLE_CHECKPOINT_BYTES = 14
 """Bytes per parameter of a trainable model's checkpoint: bf16 weights + fp32 master + two fp32 Adam moments."""
 FROZEN_LOAD_BYTES = 2
 """Bytes per parameter of a frozen model read back at relaunch (bf16 weights)."""
+STORAGE_KINDS = ("parallel_fs", "local_nvme", "nfs", "object")
+"""Where a checkpoint is written: a shared parallel / distributed file system, node-local NVMe (the
+checkpoint stays on each node, so this prices a relaunch on the same nodes), an NFS-class NAS, object
+storage."""
+DEFAULT_STORAGE = "parallel_fs"
+"""What RL jobs on GPU clusters checkpoint to (module docstring: verl#7641, the AWS miles test case on
+H200 nodes, NeMo RL#1847)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageRates:
+    """Checkpoint bandwidths of one storage kind, GB/s."""
+
+    write_gbps_per_node: float
+    read_gbps_per_node: float
+    storage_gbps: float
+    """Aggregate bandwidth of the storage system (all nodes together)."""
+
+
+STORAGE_DEFAULTS: Mapping[str, StorageRates] = {
+    # write: llama3-001, 2 TB/s sustained (Llama 3 paper, section 3.3.1) / 2,048 nodes of 8 H100;
+    # read: lumi18-001, 2 GB per node read in 1.4 s on 16 LUMI nodes (Lustre flash, LUMI-AI-Guide#18);
+    # aggregate: llama3-002, the same 2 TB/s (a 16K-GPU fabric: a smaller cluster passes its own)
+    "parallel_fs": StorageRates(write_gbps_per_node=0.9766, read_gbps_per_node=1.429, storage_gbps=2000.0),
+    # write: miles1225-001, 53 GB in 8.3 s from one B300 node to node-local disk (awsome-distributed-ai#1225);
+    # read: no row, read at the write rate; aggregate: nothing is shared
+    "local_nvme": StorageRates(write_gbps_per_node=6.386, read_gbps_per_node=6.386, storage_gbps=math.inf),
+    # dlrover-001..005: Megatron-LM GPT-1.5B on 2 x 8 A100 to an Aliyun NAS, 18 / 24 GB saved in 151 / 242 s,
+    # loaded in 205 / 242 s; aggregate: the NAS's stated 100 MB/s (DLRover Flash Checkpoint blog)
+    "nfs": StorageRates(write_gbps_per_node=0.1092, read_gbps_per_node=0.0935, storage_gbps=0.1),
+    # gcsdf-001..004: a ~4 GB FSDP checkpoint from one 4 x V100 machine to GCS, saved in 6.37 / 18.57 s,
+    # loaded in 20.23 / 73.40 s (gcs-connector-for-pytorch#174); aggregate: no row, 40 GB/s assumed
+    "object": StorageRates(write_gbps_per_node=0.4215, read_gbps_per_node=0.12625, storage_gbps=40.0),
+}
+"""Each kind's defaults, read off the restart rows of that kind (``tests/unit/test_restart_costs.py``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestartCost:
     """What a checkpoint-and-relaunch switch costs (see the module docstring)."""
 
-    write_gbps_per_node: float = 0.4215
-    """Checkpoint write bandwidth per node, GB/s: rows ``gcsdf-001/002`` (a ~4 GB FSDP checkpoint
-    from one 4 x V100 machine to Google Cloud Storage in 6.37 s with Dataflux, 18.57 s with fsspec,
-    GoogleCloudPlatform/gcs-connector-for-pytorch#174; one source: the median of its two). Object
-    storage; a parallel file system writes faster."""
-    read_gbps_per_node: float = 0.12625
-    """Checkpoint read bandwidth per node, GB/s: rows ``gcsdf-003/004`` (the same checkpoint read back
-    in 20.23 s / 73.40 s)."""
-    storage_gbps: float = 40.0
-    """Aggregate bandwidth of the storage system, GB/s (assumption: no corpus row measures it)."""
+    storage: str = DEFAULT_STORAGE
+    """Where the checkpoint goes, one of ``STORAGE_KINDS``: picks the bandwidths left unset."""
+    write_gbps_per_node: float | None = None
+    """Checkpoint write bandwidth per node, GB/s; None: the storage kind's (``STORAGE_DEFAULTS``)."""
+    read_gbps_per_node: float | None = None
+    """Checkpoint read bandwidth per node, GB/s; None: the storage kind's."""
+    storage_gbps: float | None = None
+    """Aggregate bandwidth of the storage system, GB/s; None: the storage kind's."""
     relaunch_s: float = 174.15
     """Stopping and relaunching the job (scheduler, Ray, imports, workers, NCCL, model load): row
     ``verl384-001`` (verl + vLLM, Qwen2-7B, 3.7 min from launch to training, Ray spin-up excluded;
@@ -79,7 +122,12 @@ class RestartCost:
     """A measured or reported switch time; when given it replaces the formula."""
 
     def __post_init__(self) -> None:
+        if self.storage not in STORAGE_DEFAULTS:
+            raise NereusError(f"restart cost: storage must be one of {STORAGE_KINDS}, got {self.storage!r}")
+        kind = STORAGE_DEFAULTS[self.storage]
         for name in ("write_gbps_per_node", "read_gbps_per_node", "storage_gbps"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(kind, name))
             if not getattr(self, name) > 0:
                 raise NereusError(f"restart cost: {name} must be > 0, got {getattr(self, name)}")
         for name in ("relaunch_s", "engine_start_s"):
