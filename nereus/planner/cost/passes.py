@@ -286,12 +286,15 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
                                                synced=o.pad_to > 0)
     if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
         t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
-    resident = {"weights": model.dtype_bytes * psi}
+    # ZeRO-3 / FSDP (verl's FSDP ref and actor): each rank keeps 1/dp of the weights and gathers the
+    # layer it computes (and the one prefetched) for the forward, as the time term above gathers them
+    resident = {"weights": model.dtype_bytes * psi / (cfg.dp if cfg.zero >= 3 else 1)}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_ffn = moe.act_ffn(model, moe.imbalance(cfg)) if model.is_moe else model.ffn
     act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / split
     act, logits = tok * act_tok_layer, tok * vocab_out * p.logits_bytes
-    transient = {"activations": act, "logits": logits,
-                 "workspace": p.workspace_gib * GiB}
+    transient = {"activations": act, "logits": logits, "workspace": p.workspace_gib * GiB}
+    if cfg.zero >= 3:
+        transient["fsdp_unsharded"] = fsdp_unsharded_bytes(psi, cfg, math.ceil(L / pp), model.dtype_bytes)
     return finish(ms, cfg, t, "inference", p, resident, transient, cluster)
