@@ -247,7 +247,7 @@ def test_moe_fidelity_rows_held_out_and_predicted_at_their_stated_layout(tmp_pat
     assert (train.tp, train.dp, train.ep, train.etp, gen.tp, gen.ep) == (2, 16, 8, 1, 4, 1)  # NeMo RL's [TP2 EP8], vLLM TP4
     preds = {p.row.id: p for p in evaluate(rows, fitted_params)}
     assert 0.5 <= preds["moe-nemorl-001"].ratio <= 2
-    assert "TP stays inside a node" in preds["moe-nemorl-003"].reason  # generation TP 32 across nodes: named, not guessed
+    assert all(preds[i].predicted for i in ("moe-nemorl-002", "moe-nemorl-003"))  # vLLM TP 16 / 32 across nodes
     s = next(x for x in summarize(list(preds.values())) if x["category"] == "moe")
     assert s["split"] == "heldout" and s["rows"] == len(rows) and s["predicted"] >= 1 and "median_error" in s
 

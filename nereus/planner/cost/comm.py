@@ -83,3 +83,22 @@ def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, 
     recv = full / (gen.tp * gen.pp)
     send = full * gen.dp / train.gpus
     return p.p2p_latency_s * gen.tp * gen.pp + max(recv, send) / bw
+
+
+def pp_hops_s(nbytes: float, tp: int, pp: int, cluster: ClusterSpec, p: CostParams) -> float:
+    """One round of a rollout replica's pipeline: ``pp`` activation sends of ``nbytes`` (stage to
+    stage, and the last stage's result back to the first). The replica's tp * pp GPUs are
+    consecutive, stage s on GPUs [s * tp, (s + 1) * tp): a hop whose two stages lie on different
+    nodes goes over the scale-out link and pays the inter-node latency (``inter_latency_s``, fitted
+    on the profile's cross-node collective rows), the others stay on NVLink at ``p2p_latency_s``.
+    vLLM's multi-node layout (TP inside a node, PP across nodes) crosses once per node boundary."""
+    if pp <= 1 or nbytes <= 0:
+        return 0.0
+    intra, inter = links(cluster, p)
+    g = cluster.gpus_per_node
+    cross = sum(1 for s in range(1, pp) if (s * tp) // g != (s * tp - 1) // g)
+    if nodes_spanned(cluster, tp * pp, 1) > 1:
+        cross += 1  # the wrap-around hop, last stage back to the first
+    cross = min(cross, pp)
+    far = p2p_s(nbytes, inter, max(p.p2p_latency_s, p.inter_latency_s))
+    return cross * far + (pp - cross) * p2p_s(nbytes, intra, p.p2p_latency_s)

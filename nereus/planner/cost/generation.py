@@ -1,6 +1,12 @@
 """Generation: prefill, then continuous-batching decode over the decode grid of the response-length
 distribution (the step ends with its longest response), each iteration max(weight + KV bytes /
-HBM, FLOPs / peak) + TP collectives + the engine's overhead; KV capacity bounds concurrency."""
+HBM, FLOPs / peak) + TP collectives + the engine's overhead; KV capacity bounds concurrency.
+
+A replica may span nodes, as vLLM runs one engine over several (Ray): TP over whole nodes (NeMo RL's
+TP 16 / 32 rollouts) pays every layer's all-reduce hierarchically, its inter-node steps at the
+profile's ``inter_latency_s`` and its remote ring at the scale-out link (``allreduce_s``); PP stages
+on different nodes hand their activations over the scale-out link (``comm.pp_hops_s``). Both
+constants are fitted on the profile's cross-node collective rows (fit split); no new one is added."""
 from __future__ import annotations
 
 import math
@@ -9,12 +15,12 @@ from typing import Callable
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost import moe
-from nereus.planner.cost.comm import ar_s, group_bw, links, nodes_spanned
+from nereus.planner.cost.comm import ar_s, links, nodes_spanned, pp_hops_s
 from nereus.planner.cost.estimates import StageEstimate, finish
 from nereus.planner.cost.framework import engine_wake_s, host_copy_s
 from nereus.planner.cost.lengths import decode_grid, peak_context_per_seq
 from nereus.planner.cost.memory import GiB, kv_budget_full, kv_bytes_per_token_per_gpu, params_per_gpu
-from nereus.planner.cost.params import CostParams, allreduce_s, latency_steps, p2p_s
+from nereus.planner.cost.params import CostParams, allreduce_s, latency_steps
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
 
@@ -194,7 +200,6 @@ def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
     h, ffn, peak, shards = model.hidden, model.ffn, gpu.peak_flops, tp * pp
     intra, inter = links(cluster, p)
     nodes = nodes_spanned(cluster, tp, 1)
-    bw_pp = group_bw(cluster, tp * pp, p)
     n_ar = 2 * model.layers
     one_node = nodes == 1 and tp > 1
     lat = 2 * (latency_steps(tp) * p.allreduce_latency_s + latency_steps(1) * max(p.inter_latency_s, p.allreduce_latency_s))
@@ -213,7 +218,7 @@ def decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec,
             comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
                                       alpha_inter=p.inter_latency_s, bw_inter=inter)
         if pp > 1:
-            comm += pp * p2p_s(act, bw_pp, p.p2p_latency_s)
+            comm += pp_hops_s(act, tp, pp, cluster, p)
         return mem, cmp_, comm
 
     return terms
@@ -234,7 +239,6 @@ def _moe_decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, 
     width_split = 1 if ep > 1 else tp  # EP keeps experts whole; vLLM's default slices each over tp
     intra, inter = links(cluster, p)
     nodes = nodes_spanned(cluster, tp, 1)
-    bw_pp = group_bw(cluster, tp * pp, p)
     n_ar = 2 * model.layers
 
     def terms(active: float, ctx: float) -> tuple[float, float, float]:
@@ -249,7 +253,7 @@ def _moe_decode_terms(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec, 
             comm = n_ar * allreduce_s(act, tp, intra, p.allreduce_latency_s, nodes=nodes,
                                       alpha_inter=p.inter_latency_s, bw_inter=inter)
         if pp > 1:
-            comm += pp * p2p_s(act, bw_pp, p.p2p_latency_s)
+            comm += pp_hops_s(act, tp, pp, cluster, p)
         return mem, cmp_, comm
 
     return terms

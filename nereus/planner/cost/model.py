@@ -67,7 +67,14 @@ def validate_config(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: P
     model = job.model(role)
     check_tp(model, cfg.tp)
     if cfg.tp > cluster.gpus_per_node:
-        raise SpecError(f"tp({cfg.tp}) > gpus_per_node({cluster.gpus_per_node}): TP stays inside a node")
+        # a rollout engine's TP group may span whole nodes (vLLM multi-node TP over Ray, as NeMo RL
+        # runs TP 16 / 32; priced with the inter-node link, ``generation``); Megatron TP stays in a node
+        if stage != "generation":
+            raise SpecError(f"tp({cfg.tp}) > gpus_per_node({cluster.gpus_per_node}): {stage} TP stays inside "
+                            "a node (only a rollout engine's TP may span nodes)")
+        if cfg.tp % cluster.gpus_per_node:
+            raise SpecError(f"generation tp({cfg.tp}) spans nodes but is not a multiple of gpus_per_node"
+                            f"({cluster.gpus_per_node}): a TP group across nodes takes whole nodes")
     if cfg.pp > model.layers:
         raise SpecError(f"pp({cfg.pp}) > layers({model.layers}) of {model.name}")
     if cfg.gpus > cluster.num_gpus:
