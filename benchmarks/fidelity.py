@@ -1,7 +1,7 @@
 """The cost model against published GPU measurements (nereus/calibration/published): per category
 and split, MAPE, median ratio predicted/measured, share within 2x, median error factor, with the
 fitted GPU profiles (``nereus fit-profiles``) and, side by side, the analytic defaults; plus the
-Llama-3.1-8B checks on one 8 x H100 node; for the ``async`` rows also the speed-up over each
+Llama-3.1-8B checks on one 8 x H100 node; the ``moe`` rows' model-stage breakdowns; for the ``async`` rows also the speed-up over each
 sync baseline (predicted vs published) and the step rule fed the sources' own pool timings.
 Held-out rows were never read by a fit.
 
@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nereus.fidelity.async_rows import composition_check  # noqa: E402
+from nereus.fidelity.catalog import profile_gpu, resolve_gpu  # noqa: E402
+from nereus.fidelity.predict import moe_estimates, predict  # noqa: E402
 from nereus.fidelity.report import speedup_summary, speedups  # noqa: E402
 from nereus.fidelity.corpus import load_corpus  # noqa: E402
 from nereus.fidelity.report import evaluate, fitted_params, params_source, scatter, summarize  # noqa: E402
@@ -53,6 +55,25 @@ def node_checks() -> dict:
                       "long_favours_tp8": long[8] < long[1]}}
 
 
+def moe_rows(rows) -> list[dict]:
+    """The ``moe`` rows with the fitted profiles: published and predicted step, and each
+    model-stage's time with its terms over 0.5 s (where the step's time goes)."""
+    out = []
+    for r in (r for r in rows if r.category == "moe"):
+        pred = predict(r, fitted_params)
+        rec = {"id": r.id, "model": r.model, "gpus": r.gpus, "published_s": r.value, "predicted_s": pred.predicted,
+               "ratio": pred.ratio, "reason": pred.reason}
+        if pred.predicted is not None:
+            gpu, _ = resolve_gpu(r.hardware)
+            ests, sync = moe_estimates(r, gpu, fitted_params(profile_gpu(gpu)))
+            rec["stages"] = {ms: {"time_s": e.time_s, "config": e.config.label(),
+                                  "terms_s": {k: v for k, v in e.time_breakdown.items() if v > 0.5}}
+                             for ms, e in ests.items()}
+            rec["weight_sync_s"] = sync
+        out.append(rec)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="OUT")
@@ -71,6 +92,7 @@ def main() -> int:
     out["seconds"] = time.perf_counter() - t0
     out["async_composition"] = composition_check(rows)
     out["llama_8b_h100_node"] = node_checks()
+    out["moe_rows"] = moe_rows(rows)
     goals = {}
     for s in out["fitted"]["summary"]:
         if s["split"] == "heldout" and s["category"] in GOALS and "mape" in s:
@@ -91,6 +113,11 @@ def main() -> int:
     sp = {k: v for k, v in out["fitted"]["async_speedups"].items() if k != "rows"}
     print("async speed-ups (sync step / async step), predicted vs published:", json.dumps(sp, default=float))
     print("Llama-3.1-8B, one H100 node:", json.dumps(out["llama_8b_h100_node"]["holds"]))
+    for m in out["moe_rows"]:
+        stages = "; ".join(f"{ms} {x['time_s']:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in x['terms_s'].items())})"
+                           for ms, x in m.get("stages", {}).items())
+        got = f"{m['predicted_s']:.1f} s ({m['ratio']:.2f}x)" if m["predicted_s"] else m["reason"]
+        print(f"moe {m['id']} {m['model']} {m['gpus']} GPUs: published {m['published_s']:g} s, predicted {got}; {stages}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
     return 0

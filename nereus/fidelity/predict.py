@@ -271,10 +271,9 @@ def moe_stage_configs(row: Row, gpus: int) -> tuple[ParallelConfig, ParallelConf
     return train, gen
 
 
-def _moe(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    """A mixture-of-experts RL row (``kind=rl``): the model from its preset (``nereus.models``), the
-    job from the row as for ``rl_stages`` (``rl_job``), every model-stage at the row's expert layout
-    (``moe_stage_configs``), generation and weight sync colocated; ``stage=step`` sums them."""
+def moe_estimates(row: Row, gpu: GPUSpec, p: CostParams) -> tuple[dict, float]:
+    """Every model-stage's estimate of a ``moe`` RL row at its stated layout, and the weight sync
+    (seconds): what ``_moe`` sums, kept whole for breakdowns (``benchmarks/fidelity.py``)."""
     from nereus.models.spec import preset
 
     if row.get("kind") != "rl":
@@ -289,11 +288,17 @@ def _moe(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     job, w = rl_job(row, model)
     cluster = _replica_cluster(gpu, gpus)
     train, gen = moe_stage_configs(row, gpus)
-    times = {}
-    for ms in job.model_stages():
-        cfg = gen if ms.endswith("generation") else train
-        times[ms] = estimate(job, cluster, ms, cfg, w, p).time_s
-    sync = weight_sync_s(model, train, gen, cluster, True, p)
+    ests = {ms: estimate(job, cluster, ms, gen if ms.endswith("generation") else train, w, p)
+            for ms in job.model_stages()}
+    return ests, weight_sync_s(model, train, gen, cluster, True, p)
+
+
+def _moe(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """A mixture-of-experts RL row (``kind=rl``): the model from its preset (``nereus.models``), the
+    job from the row as for ``rl_stages`` (``rl_job``), every model-stage at the row's expert layout
+    (``moe_stage_configs``), generation and weight sync colocated; ``stage=step`` sums them."""
+    ests, sync = moe_estimates(row, gpu, p)
+    times = {ms: e.time_s for ms, e in ests.items()}
     stage = row.get("stage", "")
     if stage == "step":
         return sum(times.values()) + sync
