@@ -12,7 +12,8 @@ time (the store's old regions, the arena's new ones), so a transition applied ag
 
 Example: ``reserve_arena`` at start builds the recipe of the first transition, so that one runs
 warm too; a transition back to a plan applied before (the same ``TransitionPlan`` object) reuses
-its recipe. At most ``CACHE_SIZE`` recipes are kept (least recently used dropped), each holding
+its recipe. At most ``CACHE_SIZE`` recipes are kept per rank (least recently used dropped; a
+process driving several ranks, as the threaded tests do, keeps that many for each), each holding
 its plan so its id cannot be reused while cached."""
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from nereus.planner.transition.types import Region, TransitionPlan
 
 CACHE_SIZE = 4
+"""Recipes kept per rank: a job going back and forth between a few plans reuses each one's."""
 
 _cache: OrderedDict[tuple[int, int], Recipe] = OrderedDict()
 _lock = threading.Lock()
@@ -77,8 +79,9 @@ def recipe(plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -
             _cache.move_to_end(key)
             return r
         r = _cache[key] = Recipe(plan, rank, major)
-        while len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+        mine = [k for k in _cache if k[1] == rank]  # oldest first
+        for k in mine[:max(0, len(mine) - CACHE_SIZE)]:
+            del _cache[k]
         return r
 
 
