@@ -1,6 +1,7 @@
 """The reproduction's tables (SIMULATED), printed from the JSON ``simulate_repro.py --json`` wrote:
-the README's (published figures' row first), then ``docs/repro.md``'s mean step seconds of every
-policy and the runs not made, with the reason.
+the README's (published figures' row first; every ratio on the steps both policies completed), then
+``docs/repro.md``'s mean step seconds of every policy (completed steps beside them) and the runs not
+made, with the reason.
 
     .venv/bin/python benchmarks/repro_table.py benchmarks/results/simulate_repro.json
 """
@@ -18,28 +19,52 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _on(b: dict, ref: str, fmt, field: str, steps: int) -> str:
+    """A ratio of ``b["vs"][ref]`` (on the steps both completed), with "[N steps]" where that is fewer
+    than the run's steps, and which baseline it was for a best-of."""
+    v = (b.get("vs") or {}).get(ref)
+    if v is None:
+        return fmt(b.get(f"legacy_{ref}")) if f"legacy_{ref}" in b else "-"  # a record written before "vs"
+    if field not in v:
+        return f"- ({v.get('which', '')}: no common step)"
+    note = [v["which"]] if "which" in v else []
+    note += [f"{v['steps_both']:,} steps"] if v["steps_both"] < steps else []
+    return fmt(v[field]) + (f" ({', '.join(note)})" if note else "")
+
+
 def table(d: dict) -> str:
+    """Every ratio is on the steps both policies completed (count in brackets where it is fewer than
+    the run's); best-of columns name the baseline that was better."""
     pub = d["published"]
-    rows = ["| job | trace (steps, GPUs) | policy | latency vs static-naive | vs static | vs hindsight | "
-            "oracle vs static | transitions | transition share | throughput x verl-like | x OpenRLHF-like | "
-            "OOM crashes |", "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    rows = ["| job | trace (steps, GPUs) | policy (completed steps) | latency vs static-naive | vs static | "
+            "vs best of static, static-naive | vs hindsight | oracle vs static | transitions | transition share | "
+            "throughput x verl-like | x OpenRLHF-like (best of disaggregated, colocate-all) | OOM crashes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             f"| published (8B PPO, real GPUs) | 1,000 steps to 1,024 GPUs | adaptive | | "
-            f"{pub['latency_reduction_vs_static'] * 100:.1f}% | | | {pub['transitions']} | "
+            f"{pub['latency_reduction_vs_static'] * 100:.1f}% | | | | {pub['transitions']} | "
             f"{pub['transition_overhead'] * 100:.3f}% | {pub['vs_verl'][0]:.2f}-{pub['vs_verl'][1]:.2f} | "
             f"{pub['vs_openrlhf'][0]:.2f}-{pub['vs_openrlhf'][1]:.2f} | |"]
     for r in d["runs"]:
-        steps = f"{r['steps']:,}" if r["steps"] == r["of_steps"] else f"{r['steps']:,} of {r['of_steps']:,}"
+        n = r["steps"]
+        steps = f"{n:,}" if n == r["of_steps"] else f"{n:,} of {r['of_steps']:,}"
         for pol, b in r["by_policy"].items():
-            rows.append(f"| {r['job']} | {r['trace']} ({steps}, {r['gpus']}) | {pol} | "
-                        f"{_pct(b['latency_reduction_vs_static_naive'])} | {_pct(b['latency_reduction_vs_static'])} | "
-                        f"{_pct(b['latency_reduction_vs_hindsight'])} | {_pct(r['oracle_reduction_vs_static'])} | "
-                        f"{b['transitions']} | {b['transition_overhead'] * 100:.3f}% | {_x(b['throughput_vs_verl'])} | "
-                        f"{_x(b['throughput_vs_openrlhf'])} | {b['ooms']} |")
+            if "not_run" in b:
+                rows.append(f"| {r['job']} | {r['trace']} ({steps}, {r['gpus']}) | {pol} | not run: {b['not_run'][:80]} |")
+                continue
+            done = r["policies"][pol]["completed_steps"]
+            rows.append(f"| {r['job']} | {r['trace']} ({steps}, {r['gpus']}) | {pol} ({done:,}) | "
+                        f"{_on(b, 'static-naive', _pct, 'latency_reduction', n)} | "
+                        f"{_on(b, 'static', _pct, 'latency_reduction', n)} | "
+                        f"{_on(b, 'static-best', _pct, 'latency_reduction', n)} | "
+                        f"{_on(b, 'hindsight', _pct, 'latency_reduction', n)} | {_pct(r['oracle_reduction_vs_static'])} | "
+                        f"{b['transitions']} | {b['transition_overhead'] * 100:.3f}% | "
+                        f"{_on(b, 'verl', _x, 'throughput_x', n)} | {_on(b, 'openrlhf-best', _x, 'throughput_x', n)} | "
+                        f"{b['ooms']} |")
     return "\n".join(rows)
 
 
 def step_table(d: dict) -> str:
-    pols = list(d["runs"][0]["policies"]) if d["runs"] else []
+    pols = list(dict.fromkeys(p for r in d["runs"] for p in r["policies"]))
     rows = ["| job | trace | " + " | ".join(pols) + " |", "|---|---|" + "---|" * len(pols)]
     for r in d["runs"]:
         cells = []
@@ -50,6 +75,9 @@ def step_table(d: dict) -> str:
                 continue
             extra = [f"{x['ooms']} OOM"] if x["ooms"] else []
             extra += [f"{x['dropped_steps']} dropped"] if x["dropped_steps"] else []
+            if "not_run" in x:
+                cells.append("not run")
+                continue
             cells.append(f"{x['mean_step_s']:.1f}" + (f" ({', '.join(extra)})" if extra else ""))
         rows.append(f"| {r['job']} | {r['trace']} | " + " | ".join(cells) + " |")
     rows.append("")

@@ -3,13 +3,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 
 from nereus.commands.common import (add_job_cluster, console, load_specs, pos_float, pos_int, save_figure,
                                     write_json)
 from nereus.jsonio import atomic_path
 
 CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl", "openrlhf",
-           "static-split", "hindsight-split", "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
+           "openrlhf-colocate", "gamma", "gamma-restart", "always-restart", "static-split", "hindsight-split",
+           "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
+
+
+def nonneg_float(text: str) -> float:
+    """A number >= 0; "inf" allowed (the gamma rule's any-saving end)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (or inf), got {text!r}") from None
+    if math.isnan(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,7 +58,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=pos_int, metavar="N", help="with --schedule fully_async/auto: steps per sync")
     p.add_argument("--steps", type=pos_int, help="only the first N steps of the trace")
     p.add_argument("--horizon", type=pos_int, default=200, help="steps a switch is amortised over (default 200)")
-    p.add_argument("--margin", type=float, default=0.25, help="saving must exceed cost x (1 + margin)")
+    d = _defaults()
+    p.add_argument("--margin", type=nonneg_float, default=d.margin,
+                   help=f"saving must exceed cost x (1 + margin) (default {d.margin:g})")
+    p.add_argument("--min-gain", type=nonneg_float, default=d.min_gain,
+                   help=f"savings below this fraction of the horizon time are model noise (default {d.min_gain:g})")
+    p.add_argument("--patience", type=nonneg_int, default=d.patience,
+                   help=f"steps in a row a winner must win before a switch (default {d.patience})")
+    p.add_argument("--min-dwell", type=nonneg_int, default=d.min_dwell,
+                   help=f"steps after a costly switch before the next (default {d.min_dwell})")
+    p.add_argument("--confidence", type=nonneg_float, default=d.confidence,
+                   help=f"standard errors of measurement noise a saving must clear; 0: off (default {d.confidence:g})")
+    p.add_argument("--gamma", type=nonneg_float, default=d.gamma,
+                   help=f"the gamma policies: switch when transition cost / saving per step <= gamma x steps to the "
+                        f"next drift trigger; 0: free switches only, inf: any saving (default {d.gamma:g})")
+    p.add_argument("--replan-change", type=pos_float, default=d.replan_change,
+                   help=f"the gamma policies' drift trigger: relative change of the mean response length (default "
+                        f"{d.replan_change:g})")
     p.add_argument("--seed", type=int, default=0, help="ground-truth noise seed")
     p.add_argument("--time-limit", type=pos_float, default=1.0, help="seconds per solver call (default 1)")
     p.add_argument("--json", metavar="OUT", help="write per-policy summaries as JSON")
@@ -43,6 +82,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="OUT.png", help="plot step time per step with transitions marked")
     p.add_argument("--audit", metavar="OUT.jsonl", help="write the adaptive controller's decisions (JSONL)")
     return p
+
+
+def _defaults():
+    from nereus.planner.online.admission import AdmissionConstants
+
+    return AdmissionConstants()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from nereus.simulator.simulate import simulate
     from nereus.simulator.trace import SHIPPED, load_trace, looks_like_trace_csv, trace_from_log
 
+    from nereus.planner.online.admission import AdmissionConstants
+
+    admission = AdmissionConstants(margin=args.margin, min_gain=args.min_gain, patience=args.patience,
+                                   min_dwell=args.min_dwell, confidence=args.confidence, gamma=args.gamma,
+                                   replan_change=args.replan_change)
     job, cluster, params = load_specs(args)
     job = with_schedule_args(args, job)
     if args.trace in SHIPPED or looks_like_trace_csv(args.trace):
@@ -68,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     with atomic_path(args.audit) if args.audit else contextlib.nullcontext() as audit:  # whole, or not at all
         results = simulate(job, cluster, trace, policies, params=params, horizon=args.horizon, margin=args.margin,
                            seed=args.seed, time_limit_s=args.time_limit, audit_path=audit and str(audit),
-                           progress=True)
+                           progress=True, admission=admission)
     summary = {name: r.to_dict() for name, r in results.items()}
     con = console()
     con.print(f"[bold]SIMULATED[/] trace {trace.name} ({len(trace)} steps, up to {trace.max_gpus} GPUs), "

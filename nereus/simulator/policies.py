@@ -12,10 +12,19 @@ they weigh transition cost:
 - ``always``: any layout, switches to the best plan for the next step every step (ignores cost).
 - ``static``: the solver's plan for the first step, its TP/PP and pools kept, DP scaling with the
   GPUs; the controller still re-tunes micro-batch, recomputation, ZeRO stage and KV budget.
-- ``verl``: every model-stage colocated on all GPUs (hybrid engine), FSDP training (TP1 PP1),
-  rollout with a fixed TP; knobs re-tuned by the controller.
-- ``openrlhf``: disaggregated fixed pools per model (chosen once by the solver for the first
-  step, then only scaled with the GPUs), DeepSpeed-style TP1 PP1 training, fixed rollout TP.
+- ``gamma`` / ``gamma-restart``: any layout, the published paper's admission rule instead of the
+  cost rules (``AdmissionRules._admit_gamma``: re-plan at a 30% length change, switch when transition
+  cost / saving per step <= gamma x H), live or in restart mode; not part of ``all``.
+- ``always-restart``: ``always`` in restart mode (every switch a checkpoint and relaunch); not
+  part of ``all``.
+- ``verl``: verl's FSDP backend (``verl_rule``): every model-stage colocated on all GPUs (hybrid
+  engine), actor/critic/reference/reward ZeRO-3 (FSDP) at TP1 PP1, rollout with a fixed TP; knobs
+  (micro-batch, recompute, KV budget) re-tuned by the controller.
+- ``openrlhf``: OpenRLHF with its models apart (``openrlhf_rule``): disaggregated pools per model
+  (chosen once by the solver for the first step, then only scaled with the GPUs), DeepSpeed ZeRO-3
+  at TP1 PP1 for every model, fixed rollout TP. ``openrlhf-colocate``: OpenRLHF's
+  ``--colocate_all_models`` (everything on all GPUs, vLLM asleep while DeepSpeed runs), otherwise the
+  same rule. The OpenRLHF-like baseline is the better of the two (``benchmarks/simulate_repro.py``).
 
 Scripted: ``static-naive`` is what a user does by hand (``NaiveUser``): the layout of the
 framework's examples for the actor's size, fixed micro-batches; an OOM crashes the job, which
@@ -30,6 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nereus.errors import SpecError
+from nereus.planner.online.admission import AdmissionConstants
 from nereus.planner.online.controller import Controller
 from nereus.planner.cost.params import CostParams
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache, static_rule
@@ -37,9 +47,12 @@ from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
 POLICIES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl",
-            "openrlhf")
-ONLINE = ("static", "adaptive", "adaptive-restart", "always", "verl", "openrlhf")
-RESTART_MODE = ("adaptive-restart",)
+            "openrlhf", "openrlhf-colocate")
+"""The policies of ``all``."""
+COST_RULE = ("gamma", "gamma-restart", "always-restart")
+"""Policies that test the cost rule (``benchmarks/gamma_sweep.py``), run only when named."""
+ONLINE = ("static", "adaptive", "adaptive-restart", "always", "verl", "openrlhf", "openrlhf-colocate") + COST_RULE
+RESTART_MODE = ("adaptive-restart", "gamma-restart", "always-restart")
 """Policies that switch plans by checkpoint and relaunch (a framework without live resharding)."""
 SCRIPTED = ("static-naive",)
 SOLVE_BUCKET_RATIO = 1.5
@@ -58,11 +71,10 @@ def rollout_tp(job: JobSpec) -> int:
 
 
 def framework_tp_pp(job: JobSpec) -> tuple[tuple[str, int, int], ...]:
-    """FSDP / DeepSpeed ZeRO-3 training (TP1 PP1), rollout engine with a fixed TP. Frozen models
-    (reference, reward) run TP1 up to 20B parameters and at the rollout TP above: the frameworks
-    shard them with FSDP / ZeRO-3, which the planner's model does not shard for a frozen model, so
-    the baseline gets the nearest layout it can express (Megatron-backed examples use the rollout
-    TP for the reference of 30-70B models)."""
+    """FSDP / DeepSpeed training (TP1 PP1), rollout engine with a fixed TP, frozen models (reference,
+    reward) TP1 up to 20B parameters and at the rollout TP above: the nearest layout for a rule that
+    does not shard frozen models (the asynchronous verl baselines, ``async_policies.py``). The
+    synchronous verl-like and OpenRLHF-like rules shard them instead (``fsdp_tp_pp``)."""
     fixed = [("actor/generation", rollout_tp(job), 1)]
     for role in job.roles:
         if role in ("actor", "critic"):
@@ -73,35 +85,87 @@ def framework_tp_pp(job: JobSpec) -> tuple[tuple[str, int, int], ...]:
     return tuple(fixed)
 
 
+def fsdp_tp_pp(job: JobSpec) -> tuple[tuple[str, int, int], ...]:
+    """The layouts verl's FSDP backend and OpenRLHF's DeepSpeed models are held to: the rollout at
+    ``rollout_tp``, every other model-stage at TP1 PP1 (a trainable model's log-prob pass shares its
+    training layout in the planner, as it does in both frameworks).
+
+    Sources (read as data): verl 0.9.1 ``trainer/config/engine/fsdp.yaml`` (``strategy: fsdp``,
+    ``fsdp_size: -1``: every model, the reference included, fully sharded over all ranks;
+    ``ulysses_sequence_parallel_size`` splits sequences, not weights, so no TP or PP) and
+    ``nereus/frameworks/verl.py`` (``engine_gaps``); OpenRLHF 0.11.2: AutoTP training only under
+    ZeRO 0-2 (``nereus/frameworks/openrlhf.py``), and its examples train at ``--zero_stage 3``."""
+    fixed = [("actor/generation", rollout_tp(job), 1)]
+    for role in job.roles:
+        fixed.append((f"{role}/training" if role in ("actor", "critic") else f"{role}/inference", 1, 1))
+    return tuple(fixed)
+
+
+def verl_rule(job: JobSpec) -> LayoutRule:
+    """verl-like: verl's FSDP backend on one hybrid-engine pool. ZeRO-3 for every model, frozen ones
+    too (``fsdp.yaml``: the reference is an FSDP module sharded like the actor; verl's 32B GRPO
+    example ``examples/grpo_trainer/run_qwen2_5_32b_fsdp.sh`` shards it so and adds
+    ``ref.fsdp_config.param_offload=True``); the reward model as verl's FSDP reward worker (0.9.1 can
+    also serve it from vLLM; not modelled). Not modelled: parameter and optimizer offload (the 32B
+    example offloads the reference's parameters; ``fsdp_config.param_offload`` / ``optimizer_offload``
+    at 70B), because the ground truth does not price offload (its memory would keep the states on
+    the GPU, its times would miss the copies): the baseline runs without it, a layout that fits only
+    with offload is not open to it."""
+    return LayoutRule(name="verl", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job), zeros=(3,),
+                      frozen_zeros=(3,))
+
+
+def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> LayoutRule:
+    """OpenRLHF-like: DeepSpeed ZeRO-3 for every model at TP1 PP1 (its examples'
+    ``--zero_stage 3``, e.g. ``examples/scripts/train_ppo_llama_ray_70b.sh``; the reference and reward
+    run DeepSpeed's eval engine at stage 3 when training does, ``utils/deepspeed/deepspeed.py``
+    ``get_ds_eval_config``), vLLM engines at a fixed TP. ``colocate``: ``--colocate_all_models``, every
+    model and the engines on all GPUs; else each model on pools of its own (``anchor``: the pools
+    kept). Not modelled: ``--adam_offload`` (the 70B example's) and ``--ref_reward_offload``, for the
+    reason ``verl_rule`` gives."""
+    if colocate:
+        return LayoutRule(name="openrlhf-colocate", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job),
+                          zeros=(3,), frozen_zeros=(3,))
+    return LayoutRule(name="openrlhf" if anchor is not None else "openrlhf-pools", placement="disaggregated",
+                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,))
+
+
 def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload, gpus0: int, *,
                     total_steps: int | None, plans: PlanCache, horizon: int = 200, margin: float = 0.25,
-                    audit=None, seed: int = 0, params: CostParams | None = None) -> Controller:
-    """A controller that behaves like policy ``name`` from its first step on."""
+                    audit=None, seed: int = 0, params: CostParams | None = None,
+                    admission: AdmissionConstants | None = None) -> Controller:
+    """A controller that behaves like policy ``name`` from its first step on. ``admission``: the
+    admission rules' constants (default: ``AdmissionConstants(margin=margin)``)."""
     base = params or CostParams()
     if name not in ONLINE:
         raise SpecError(f"unknown online policy {name!r}; choose from {ONLINE}")
-    common = dict(initial_gpus=gpus0, initial_workload=w0, total_steps=total_steps, horizon=horizon, margin=margin,
+    consts = admission if admission is not None else AdmissionConstants(margin=margin)
+    common = dict(initial_gpus=gpus0, initial_workload=w0, total_steps=total_steps, horizon=horizon,
                   params=base, plans=plans, build_transition=False, seed=seed, audit=audit,
-                  solve_bucket_ratio=SOLVE_BUCKET_RATIO)
-    if name in ("adaptive", "always"):
-        return Controller(job, cluster, mode=name, rule=FREE, **common)
-    if name == "adaptive-restart":  # the launch configuration is not needed to replay the run: not emitted
-        return Controller(job, cluster, mode="adaptive", rule=FREE, transition_mode="restart", framework=None, **common)
+                  solve_bucket_ratio=SOLVE_BUCKET_RATIO, **consts.controller_kwargs())
+    restart = dict(transition_mode="restart", framework=None) if name in RESTART_MODE else {}
+    # restart mode: the launch configuration is not needed to replay the run, so none is emitted
+    if name in ("adaptive", "adaptive-restart", "always", "always-restart"):
+        return Controller(job, cluster, mode=name.removesuffix("-restart"), rule=FREE, **restart, **common)
+    if name in ("gamma", "gamma-restart"):
+        ctl = Controller(job, cluster, mode="adaptive", rule=FREE, explore=False, **restart, **common)
+        ctl.gamma, ctl.replan_change = float(consts.gamma), float(consts.replan_change)
+        return ctl
     if name == "static":
         first = plans.best(FREE, w0, gpus0, base)
         if first is None:
             raise SpecError(f"static: no feasible plan for the first step on {gpus0} GPUs ({plans.last_message})")
         return Controller(job, cluster, rule=static_rule(first), initial_plan=first, **common)
-    fixed = framework_tp_pp(job)
     if name == "verl":
-        return Controller(job, cluster, rule=LayoutRule(name="verl", placement="colocated", fixed_tp_pp=fixed), **common)
-    pools = LayoutRule(name="openrlhf-pools", placement="disaggregated", fixed_tp_pp=fixed)
-    first = plans.best(pools, w0, gpus0, base)
+        return Controller(job, cluster, rule=verl_rule(job), **common)
+    if name == "openrlhf-colocate":
+        return Controller(job, cluster, rule=openrlhf_rule(job, colocate=True), **common)
+    first = plans.best(openrlhf_rule(job, colocate=False), w0, gpus0, base)
     if first is None:
         raise SpecError(f"openrlhf: no feasible disaggregated plan for the first step on {gpus0} GPUs "
                         f"({plans.last_message})")
-    rule = LayoutRule(name="openrlhf", placement="disaggregated", fixed_tp_pp=fixed, anchor=first)
-    return Controller(job, cluster, rule=rule, initial_plan=first, **common)
+    return Controller(job, cluster, rule=openrlhf_rule(job, colocate=False, anchor=first), initial_plan=first,
+                      **common)
 
 
 # ---- static-naive: the user who copies the framework's example ------------------------------------

@@ -32,8 +32,9 @@ from nereus.planner.plan import Plan
 from nereus.planner.solver.problem import CandidateSettings
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator import oracle as offline
-from nereus.simulator.policies import (OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO, make_controller,
-                                      naive_fix, naive_plan, rescale_naive)
+from nereus.planner.online.admission import AdmissionConstants
+from nereus.simulator.policies import (COST_RULE, OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO,
+                                      make_controller, naive_fix, naive_plan, rescale_naive)
 from nereus.simulator.async_policies import (ASYNC_ONLINE, ASYNC_POLICIES, idle_summary, is_async,
                                              make_async_controller, mark, policy_job, split_family, sync_job)
 from nereus.simulator.schedules import TransitionSchedules
@@ -41,11 +42,12 @@ from nereus.simulator.trace import Trace
 from nereus.simulator.truth.machine import GroundTruth, Observation
 from nereus.simulator.truth.timeline import idle_at, schedule_of
 
-SYNC_ON_ASYNC = ("static", "verl", "openrlhf", "static-naive")
+SYNC_ON_ASYNC = ("static", "verl", "openrlhf", "openrlhf-colocate", "static-naive")
 """Today's policies that plan synchronous steps also on an asynchronous job (the sync baselines)."""
-SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1))
+SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1), frozen_zeros=(1, 3))
 """The solver's option set in simulation: four generation KV-budget levels instead of seven (the
-generation options dominate the solver's table building; every solve of a 1,000-step run pays it)."""
+generation options dominate the solver's table building; every solve of a 1,000-step run pays it),
+and frozen models replicated or ZeRO-3-sharded (what verl's FSDP reference does, open to every policy)."""
 MAX_ATTEMPTS = 4
 """Tries of one step before its batch is dropped (a user gives up on a step after a few crashes)."""
 LABEL = "SIMULATED"
@@ -155,13 +157,15 @@ class _Run:
 
 def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, *,
                params: CostParams | None = None, horizon: int = 200, margin: float = 0.25, seed: int = 0,
-               audit: AuditLog | None = None, tick: Callable[[], None] | None = None) -> PolicyResult:
+               audit: AuditLog | None = None, tick: Callable[[], None] | None = None,
+               admission: AdmissionConstants | None = None) -> PolicyResult:
     t0 = time.perf_counter()
     solves0 = plans.solves
     base = job.workload()
+    extra = {} if name in ASYNC_ONLINE else {"admission": admission}
     make = make_async_controller if name in ASYNC_ONLINE else make_controller
     ctl = make(name, job, cluster, trace.workload(0, base), trace.rows[0].gpus, total_steps=len(trace),
-               plans=plans, horizon=horizon, margin=margin, audit=audit, seed=seed, params=params)
+               plans=plans, horizon=horizon, margin=margin, audit=audit, seed=seed, params=params, **extra)
     runtime = mark(name)
     plan, run, overhead = runtime(ctl.plan), _Run(len(trace)), []
     for i, row in enumerate(trace.rows):
@@ -350,15 +354,19 @@ def _path_result(name: str, path, cands: list[Plan], n: int, t0: float, gt: Grou
 def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterable[str] = POLICIES, *,
              gt: GroundTruth | None = None, params: CostParams | None = None, horizon: int = 200,
              margin: float = 0.25, seed: int = 0, time_limit_s: float = 5.0, audit_path: str | None = None,
-             progress: bool = False, workers: int = 1) -> dict[str, PolicyResult]:
+             progress: bool = False, workers: int = 1,
+             admission: AdmissionConstants | None = None) -> dict[str, PolicyResult]:
     """Run ``policies`` over ``trace``; results in the order asked. ``audit_path`` logs the adaptive
     controller's decisions (or the first online policy's when adaptive is not run). ``workers`` > 1
     runs the online policies in that many forked processes (each with its own plan cache; no audit
-    log or progress bar then); the offline policies run after them in this process."""
+    log or progress bar then); the offline policies run after them in this process. ``admission``:
+    the admission rules' constants of every online policy (default: ``AdmissionConstants(margin=margin)``)."""
     policies = list(dict.fromkeys(policies))
-    bad = [p for p in policies if p not in POLICIES + ASYNC_POLICIES]
+    known = POLICIES + COST_RULE + ASYNC_POLICIES
+    bad = [p for p in policies if p not in known]
     if bad:
-        raise SpecError(f"unknown policy {bad}; choose from {', '.join(POLICIES + ASYNC_POLICIES)} or all")
+        raise SpecError(f"unknown policy {bad}; choose from {', '.join(known)} or all")
+    admission = admission if admission is not None else AdmissionConstants(margin=margin)
     if job.schedule.kind == "sync" and set(policies) & set(ASYNC_POLICIES):
         raise SpecError(f"{sorted(set(policies) & set(ASYNC_POLICIES))} need an asynchronous job (--schedule)")
     if trace.max_gpus > cluster.num_gpus:
@@ -387,7 +395,7 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
     if workers > 1 and len(online) > 1 and not audit_path and bar is None and job.schedule.kind == "sync":
         tasks = online + ([_PICKS] if wanted else [])  # the offline candidates' solves run beside them
         done = _run_forked(tasks, workers, job, cluster, trace, gt, plans, dict(
-            params=params, horizon=horizon, margin=margin, seed=seed))
+            params=params, horizon=horizon, margin=margin, seed=seed, admission=admission))
         picked = done.pop(_PICKS, None)
         out.update(done)
         online = []
@@ -401,7 +409,8 @@ def simulate(job: JobSpec, cluster: ClusterSpec, trace: Trace, policies: Iterabl
             try:
                 j, pc = cache_for(name)
                 out[name] = run_online(name, j, cluster, trace, gt, pc, params=params, horizon=horizon,
-                                       margin=margin, seed=seed, audit=audit, tick=bar.update if bar else None)
+                                       margin=margin, seed=seed, audit=audit, tick=bar.update if bar else None,
+                                       admission=admission)
             except NereusError as e:  # the policy cannot even start (its layout rule has no feasible plan)
                 out[name] = _not_run(name, len(trace), str(e))
             finally:

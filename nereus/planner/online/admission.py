@@ -4,12 +4,17 @@ the transition cost x (1 + margin), ``min_gain``, the noise band ``_noise_band``
 probes, and the stay / switch decisions with their numbers.
 
 ``AdmissionRules`` is a part of ``Controller``; the module docstring of ``controller.py`` states
-the rules in order.
+the rules in order. ``AdmissionConstants`` holds the rules' constants as data (what ``nereus
+simulate`` sets), including the published paper's gamma rule, which a controller follows instead of
+the rules above when its ``gamma`` is set (``AdmissionRules._admit_gamma``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+from nereus.errors import SpecError
 
 from nereus.planner.cost.plan_times import compose_step
 from nereus.planner.online.library import Candidate, stage_key, trapezoid
@@ -17,8 +22,73 @@ from nereus.planner.online.types import Decision, StepMetrics
 from nereus.planner.plan import GiB
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConstants:
+    """The admission rules' constants. The first five are ``Controller``'s keyword arguments of the
+    same names, with its defaults (``tests/unit/test_gamma_rule.py`` checks they agree); ``gamma``
+    and ``replan_change`` are the gamma rule's, used by a controller whose ``gamma`` is set (the
+    ``gamma`` policies of the simulator)."""
+
+    margin: float = 0.25
+    """A saving over the horizon must exceed the transition cost x (1 + margin)."""
+    min_gain: float = 0.01
+    """Savings below this fraction of the horizon time are model noise (no switch)."""
+    patience: int = 2
+    """Steps in a row the same winner must win before a switch for speed."""
+    min_dwell: int = 5
+    """Steps after a costly switch before the next one for speed."""
+    confidence: float = 3.0
+    """Standard errors of measurement noise a saving must clear (0: off)."""
+    gamma: float = 0.5
+    """The gamma rule (the published paper's): at a drift trigger, switch to the fastest plan when
+    its transition cost / its saving per step <= gamma x H, H the expected steps to the next
+    trigger. 0: only switches that cost nothing; inf: any saving."""
+    replan_change: float = 0.30
+    """The gamma rule's drift trigger: the forecast mean response length moved this fraction away
+    from the length at the last replan (or the GPU count changed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("margin", "min_gain", "confidence", "gamma"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+                raise SpecError(f"admission: {name} must be a number >= 0, got {v!r}")
+        for name in ("patience", "min_dwell"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecError(f"admission: {name} must be an integer >= 0, got {v!r}")
+        r = self.replan_change
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            raise SpecError(f"admission: replan_change must be a fraction > 0, got {r!r}")
+
+    def controller_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Controller`` these constants set (not the gamma rule's)."""
+        return {"margin": self.margin, "min_gain": self.min_gain, "patience": self.patience,
+                "min_dwell": self.min_dwell, "confidence": self.confidence}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (an infinite gamma as the string "inf")."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AdmissionConstants":
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise SpecError(f"admission: unknown keys {bad}; known: {sorted(names)}")
+        return cls(**{k: (math.inf if v == "inf" else v) for k, v in d.items()})
+
+
 class AdmissionRules:
     """The decision half of ``Controller``."""
+
+    gamma: float | None = None
+    """Follow the gamma rule (``_admit_gamma``) with this gamma instead of the cost rules; None: off.
+    Set on an instance (``simulator.policies.make_controller``)."""
+    replan_change: float = 0.30
+    """The gamma rule's drift trigger (``AdmissionConstants.replan_change``)."""
+    _gamma_ref: float | None = None
+    """The forecast mean response length at the gamma rule's last replan."""
 
     def _must_reason(self, m: StepMetrics, cur: Candidate) -> str:
         if m.oom:
@@ -58,6 +128,8 @@ class AdmissionRules:
                 return self._fall_back(m, cur, cands, must)
             best = min(feasible, key=lambda c: c.net_s)
             return self._switch(m, cur, best, must, f"must switch: {must}; lowest transition + horizon time")
+        if self.gamma is not None:
+            return self._admit_gamma(m, cur, feasible, regime_change)
         if not feasible:
             return self._stay(cur, None, "", f"no alternative plan predicted to fit next step ({self._note})")
         best = min(feasible, key=lambda c: c.net_s)
@@ -90,6 +162,33 @@ class AdmissionRules:
             return held
         return self._switch(m, cur, best, "", f"saving {saving:.1f}s over the horizon > {best.cost_s:.1f}s "
                                               f"x (1 + {self.margin:g}) + {band:.1f}s of noise ({self.confidence:g} se)")
+
+    def _admit_gamma(self, m: StepMetrics, cur: Candidate, feasible: list[Candidate],
+                     regime_change: bool) -> Decision:
+        """The published paper's rule, in place of the cost rules above (must-switches stay as they
+        are): re-plan only at a drift trigger (the forecast mean length moved ``replan_change`` away
+        from the length at the last re-plan, or the GPU count changed); there, take the plan fastest
+        over the horizon when transition cost / saving per step <= gamma x H, H the steps the
+        forecast's trend needs to move the length by another ``replan_change`` (at most the horizon).
+        No margin, noise band, hysteresis or probe."""
+        length = self._ws0.response_len_mean
+        ref = self._gamma_ref
+        if ref is not None and not regime_change and abs(length - ref) < self.replan_change * ref:
+            return self._stay(cur, None, "", f"gamma rule: forecast mean length {length:.0f} is within "
+                                             f"{self.replan_change:.0%} of {ref:.0f} at the last re-plan (no trigger)")
+        self._gamma_ref = length
+        best = min(feasible, key=lambda c: c.horizon_s) if feasible else None
+        per = self._per_step(cur, best)
+        if best is None or not per > 0:
+            return self._stay(cur, best, "", "gamma rule: drift trigger, no faster plan predicted to fit")
+        slope = abs(self.forecaster.slope())
+        h = max(1.0, min(float(self._h), self.replan_change * length / slope if slope > 0 else math.inf))
+        bound = self.gamma * h * per if self.gamma > 0 else 0.0  # gamma 0: free switches only, even at an infinite saving
+        if not math.isfinite(best.cost_s) or best.cost_s > bound:
+            return self._stay(cur, best, "", f"gamma rule: transition {best.cost_s:.1f}s / saving {per:.2f}s per step "
+                                             f"> gamma {self.gamma:g} x H {h:.0f} steps to the next trigger")
+        return self._switch(m, cur, best, "", f"gamma rule: transition {best.cost_s:.1f}s / saving {per:.2f}s per "
+                                              f"step <= gamma {self.gamma:g} x H {h:.0f} steps to the next trigger")
 
     def _noise_band(self, c: Candidate) -> float:
         """How far, in seconds over the horizon, the predicted saving of ``c`` over the current plan

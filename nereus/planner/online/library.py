@@ -214,7 +214,7 @@ class CandidateLibrary:
             self._ask("best-horizon", self.rule, ws[len(ws) // 2])
             if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
                 # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
-                self._ask("keep-layout", keep_layout(self.plan), ws[len(ws) // 2])
+                self._ask("keep-layout", keep_layout(self.plan, self.rule), ws[len(ws) // 2])
         cur = self.plan.key()
         cur_s = self._cur_horizon_s
         out = []

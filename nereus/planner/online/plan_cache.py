@@ -61,6 +61,12 @@ class LayoutRule:
     fixed_tp_pp: tuple[tuple[str, int, int], ...] = ()
     anchor: Plan | None = None
     """Pools to keep (scaled to the GPU count); None: the solver chooses pools."""
+    zeros: tuple[int, ...] = ()
+    """ZeRO stages the trainable models may use (e.g. ``(3,)``: verl's FSDP, OpenRLHF's
+    ``--ds.zero_stage 3``); empty: the cache's candidate settings."""
+    frozen_zeros: tuple[int, ...] = ()
+    """ZeRO stages of the frozen models (``CandidateSettings.frozen_zeros``; ``(3,)``: sharded like
+    verl's FSDP reference); empty: the cache's candidate settings."""
 
     def constraints(self, gpus: int) -> Any:
         from nereus.planner.solver import PlanConstraints
@@ -74,15 +80,25 @@ class LayoutRule:
         return PlanConstraints(fixed_tp_pp=self.fixed_tp_pp, placement=self.placement, fixed_placement=fixed)
 
     def key(self) -> tuple:
-        return (self.name, self.placement, self.fixed_tp_pp, None if self.anchor is None else self.anchor.layout_key())
+        return (self.name, self.placement, self.fixed_tp_pp, None if self.anchor is None else self.anchor.layout_key(),
+                self.zeros, self.frozen_zeros)
+
+    def candidate_settings(self, base: Any) -> Any:
+        """``base`` (``CandidateSettings``) with this rule's ZeRO stages."""
+        if not self.zeros and not self.frozen_zeros:
+            return base
+        return replace(base, **({"zeros": self.zeros} if self.zeros else {}),
+                       **({"frozen_zeros": self.frozen_zeros} if self.frozen_zeros else {}))
 
 
 FREE = LayoutRule()
 
 
-def keep_layout(plan: Plan) -> LayoutRule:
-    """The current plan's pools and TP/PP: reachable by changing knobs and DP-internal state only."""
-    return LayoutRule(name="keep", fixed_tp_pp=tp_pp_of(plan), anchor=plan)
+def keep_layout(plan: Plan, within: LayoutRule | None = None) -> LayoutRule:
+    """The current plan's pools and TP/PP: reachable by changing knobs and DP-internal state only
+    (and only to the ZeRO stages ``within`` allows)."""
+    return LayoutRule(name="keep", fixed_tp_pp=tp_pp_of(plan), anchor=plan,
+                      zeros=within.zeros if within else (), frozen_zeros=within.frozen_zeros if within else ())
 
 
 def static_rule(initial: Plan) -> LayoutRule:
@@ -146,13 +162,15 @@ class PlanCache:
                reserve_gib: float = 0.0) -> Plan | None:
         from nereus.planner.solver import PlanProblem, solve
 
+        from nereus.planner.solver import CandidateSettings
+
         t0 = time.perf_counter()
         self.solves += 1
         try:
+            cands = rule.candidate_settings(self.candidates if self.candidates is not None else CandidateSettings())
             problem = PlanProblem(job=self.job, cluster=self.cluster_for(gpus, reserve_gib), workload=w, params=params,
                                   current_plan=hint if hint is not None and hint.num_gpus <= gpus else None,
-                                  constraints=rule.constraints(gpus),
-                                  **({"candidates": self.candidates} if self.candidates is not None else {}))
+                                  constraints=rule.constraints(gpus), candidates=cands)
             fn = self._solve_fn or solve
             sol = fn(problem, backend=self.backend, time_limit_s=self.time_limit_s, workers=1, seed=self.seed,
                      deterministic=self.deterministic)

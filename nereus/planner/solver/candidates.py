@@ -245,7 +245,7 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
         splits += [(1, cp) for cp in cs.cps if cp > 1 and dp % cp == 0]
         experts = expert_layouts(model, tp, dp, "training")
         for mb, (sp, cp), (ep, etp) in ((mb, x, y) for mb in mbs for x in splits for y in experts):
-            for zero in (cs.zeros if trainable else (1,)):
+            for zero in (cs.zeros if trainable else cs.frozen_zeros):
                 if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
                     continue
                 for rc in (cs.recompute if trainable else (False,)):

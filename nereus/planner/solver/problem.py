@@ -45,6 +45,10 @@ class CandidateSettings:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     zeros: tuple[int, ...] = (1, 3)
     recompute: tuple[bool, ...] = (False, True)
+    frozen_zeros: tuple[int, ...] = (1,)
+    """ZeRO stages of a frozen model's (reference, reward) weights: 1 replicates them over DP; 3
+    shards them (verl's FSDP reference, OpenRLHF's eval engine under ``--ds.zero_stage 3``), each
+    forward all-gathering them. ``(1,)`` by default, which keeps the default search as it was."""
     sps: tuple[int, ...] = (1, 2)
     """Ulysses sequence-parallel degrees of training and inference units (taken from DP ranks; one
     that does not divide dp, or tp * sp that does not divide the heads, is skipped)."""
