@@ -2,11 +2,12 @@
 solved by cpsat, pulp and greedy side by side. Prints a table; --json writes the rows.
 
 solve_s is the wall time of the whole call to ``solve`` from a cold start (option tables, greedy,
-model, search); the option tables are rebuilt for every backend so no backend rides on another's
-cache. The solver libraries are imported once before the first solve (OR-Tools takes about 0.3 s
-to import, once per process, like any long-running planner or a CLI's start-up); that time is
-printed and written as ``imports_s`` beside the rows, not hidden in the first row. cpu_s is the CPU time of the same call, this process plus its children (CBC runs as a
-child), which stays meaningful when other work shares the machine's two cores. Step times are
+model, search); the option tables and the memoised cost-model estimates are cleared before every
+row, so no backend rides on another's cache. The solver libraries are imported once before the
+first solve (OR-Tools takes about 0.3 s to import, once per process, like any long-running planner
+or a CLI's start-up); that time is printed and written as ``imports_s`` beside the rows, not hidden
+in the first row. cpu_s is the CPU time of the same call, this process plus its children (CBC runs
+as a child), which stays meaningful when other work shares the machine's two cores. Step times are
 predictions of the analytic cost model, not measurements.
 
     .venv/bin/python benchmarks/plan_scaling.py [--json OUT] [--time-limit S] [--workers N] [--seeds N] [--moe]
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nereus.planner.solver import PlanProblem, solve  # noqa: E402
+from nereus.planner.solver import candidates  # noqa: E402
 from nereus.planner.solver.candidates import _build_tables_cached  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
 
@@ -48,7 +50,7 @@ def run(time_limit_s: float, workers: int, gpus=GPUS, backends=BACKENDS, seeds: 
     for model, g, backend, seed in track(cases, description="solving", transient=True):
         job = load_job(JOBS[model])
         cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(g)
-        _build_tables_cached.cache_clear()  # cold start for every backend
+        cold_start()  # for every backend: no option table or estimate of an earlier row is reused
         cpu0 = _cpu()
         sol = solve(PlanProblem(job=job, cluster=cluster, workload=job.workload()), backend=backend,
                     time_limit_s=time_limit_s, workers=workers, seed=seed)
@@ -70,6 +72,13 @@ def seed_spread(rows: list[dict]) -> list[dict]:
                 out.append({"model": model, "gpus": g, "seeds": len(ts), "min_s": min(ts),
                             "median_s": statistics.median(ts), "max_s": max(ts)})
     return out
+
+
+def cold_start() -> None:
+    """Forget the option tables and the memoised cost-model estimates (``candidates._Estimator``)."""
+    _build_tables_cached.cache_clear()
+    candidates._estimates.clear()
+    candidates._prefixes.clear()
 
 
 def _cpu() -> float:

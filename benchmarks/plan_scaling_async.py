@@ -18,10 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.plan_scaling import JOBS, _cpu, import_solvers  # noqa: E402
+from benchmarks.plan_scaling import JOBS, _cpu, cold_start, import_solvers  # noqa: E402
 from nereus.planner.schedules import ScheduleSpec  # noqa: E402
 from nereus.planner.solver import PlanProblem, solve  # noqa: E402
-from nereus.planner.solver.candidates import _build_tables_cached  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
 
 SCHEDULES = {"sync": ScheduleSpec(), "one_step_off": ScheduleSpec(kind="one_step_off"),
@@ -37,7 +36,7 @@ def run(gpus, time_limit_s: float) -> list[dict]:
     for model, g, kind in track(cases, description="solving", transient=True):
         job = replace(load_job(JOBS[model]), schedule=SCHEDULES[kind])
         cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(g)
-        _build_tables_cached.cache_clear()
+        cold_start()
         cpu0 = _cpu()
         sol = solve(PlanProblem(job=job, cluster=cluster, workload=job.workload()), backend="cpsat",
                     time_limit_s=time_limit_s, workers=1, seed=0)

@@ -9,6 +9,7 @@ only configurations that could be optimal.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -181,35 +182,45 @@ def expert_layouts(model, tp: int, dp: int, stage: str) -> list[tuple[int, int]]
 
 UNIT_FACTORS = (("generation", 1.0), ("inference", 1.0), ("training", 1.0))
 ESTIMATE_CACHE_MAX = 150_000
+SYNC = ScheduleSpec()
 _estimates: dict[tuple, object] = {}
 _prefixes: dict[tuple, int] = {}
+_prefix_ids = itertools.count()
 
 
 class _Estimator:
     """``estimate`` for one problem, memoised across problems that differ only in their stage
     factors (the online controller's calibration), constraints or current plan: a stage factor
     multiplies every time term of its stage (``cost.model._finish``) and nothing else, so the
-    unscaled estimate is cached and scaled here. Same numbers as ``estimate`` up to float rounding."""
+    unscaled estimate is cached and scaled here. Same numbers as ``estimate`` up to float rounding.
+    Only generation reads the job's schedule (a dedicated rollout pool, streaming), so inference and
+    training are priced on the job with a sync schedule and shared by every schedule (``auto``
+    solves each of them; ``test_solver_split`` checks the two agree)."""
 
     def __init__(self, problem: PlanProblem) -> None:
         p = problem.params
         self.j, self.c, self.w, self.p = problem.job, problem.cluster, problem.workload, p
-        unit = replace(p, stage_factor=UNIT_FACTORS)
-        key = (self.j, self.c, self.w, unit)
+        self.j_sync = problem.job if problem.job.schedule == SYNC else replace(problem.job, schedule=SYNC)
+        self.unit = replace(p, stage_factor=UNIT_FACTORS)
+        self.prefix, self.prefix_sync = self._prefix(self.j), self._prefix(self.j_sync)
+
+    def _prefix(self, job) -> int:
+        key = (job, self.c, self.w, self.unit)
         if key not in _prefixes:
             if len(_prefixes) > 4096:
                 _prefixes.clear()
                 _estimates.clear()
-            _prefixes[key] = len(_prefixes)
-        self.prefix, self.unit = _prefixes[key], unit
+            _prefixes[key] = next(_prefix_ids)  # never reused, even after a clear
+        return _prefixes[key]
 
     def __call__(self, model_stage: str, cfg: ParallelConfig, kv_budget_bytes: float | None = None):
-        key = (self.prefix, model_stage, cfg, kv_budget_bytes)
+        gen = model_stage.endswith("/generation")
+        key = (self.prefix if gen else self.prefix_sync, model_stage, cfg, kv_budget_bytes)
         e = _estimates.get(key)
         if e is None:
             if len(_estimates) > ESTIMATE_CACHE_MAX:
                 _estimates.clear()
-            e = _estimates[key] = estimate(self.j, self.c, model_stage, cfg, self.w, self.unit,
+            e = _estimates[key] = estimate(self.j if gen else self.j_sync, self.c, model_stage, cfg, self.w, self.unit,
                                            kv_budget_bytes=kv_budget_bytes)
         f = self.p.factor(model_stage.partition("/")[2])
         if f == 1.0:
@@ -380,7 +391,8 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
     units = make_units(problem)
     sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
     if problem.job.schedule.is_async:  # the rollout / trainer split at any node boundary the other pool aligns to
-        sizes = tuple(sorted(set(sizes) | set(split_sizes(c))))
+        # (and no pool of the whole cluster: the rollout pool is its own, so neither it nor a trainer pool can be)
+        sizes = tuple(sorted((set(sizes) | set(split_sizes(c))) - {c.num_gpus}))
     if problem.constraints.placement == "colocated":
         sizes = (c.num_gpus,)
     elif problem.constraints.fixed_placement is not None:

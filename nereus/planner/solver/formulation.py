@@ -235,7 +235,21 @@ class Formulation:
         N = t.num_gpus
         area = [(self.z[u, oi], sum(o.durations) * o.size / N) for u in self.U for oi, o in enumerate(t.options[u])]
         m.add([(self.step, 1)] + [(x, -c) for x, c in area], ">=", 0, "time")
+        # with the rollout size fixed at r (split.py's sub-problems) the trainer units share the
+        # other N - r GPUs, so each phase's trainer GPU-seconds fit in its makespan x (N - r)
+        rollout_sizes = {o.size for o in t.options[g]}
+        if len(rollout_sizes) == 1 and N > min(rollout_sizes):
+            rest = N - min(rollout_sizes)
+            for ph in range(1, t.n_phases):
+                area = [(self.z[u, oi], o.durations[ph] * o.size / rest) for u in self.U if u != g
+                        for oi, o in enumerate(t.options[u]) if o.durations[ph]]
+                if area:
+                    m.add([(self.ms[ph], 1)] + [(x, -c) for x, c in area], ">=", 0, "time")
         m.objective = [(self.step, 1.0), (self.sync, 1.0)]
+
+    def add_cutoff(self, upper: float) -> None:
+        """Objective <= ``upper``: only plans at least as good as a known one stay feasible."""
+        self.m.add(list(self.m.objective), "<=", upper, "time")
 
     def add_placement_rules(self) -> None:
         from nereus.planner.solver.structure import placement_skeleton

@@ -43,6 +43,11 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
 
     if hint is not None:
         t = prune_by_bound(t, hint[0])
+    if t.schedule.is_async:  # one small exact model per rollout size (split.py)
+        from nereus.planner.solver.split import solve_split
+
+        warm = _warm_start if backend == "cpsat" and sum(len(o) for o in t.options) > WARM_START_MIN_OPTIONS else None
+        return solve_split(problem, t, hint, backend, time_limit_s, workers, seed, deterministic, warm)
     if backend == "cpsat" and sum(len(o) for o in t.options) > WARM_START_MIN_OPTIONS:
         hint = _warm_start(problem, t, hint, time_limit_s, workers, seed, deterministic)
     form = Formulation(problem, t)

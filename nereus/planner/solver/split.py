@@ -1,0 +1,185 @@
+"""Asynchronous schedules solved by rollout size: one small exact model per split instead of one
+model that also chooses the split.
+
+An async plan's rollout (generation) pool shares no GPU with any other unit, so a plan is a
+rollout size r, a generation option of r GPUs, and a placement of the trainer units on the other
+N - r GPUs. Every plan has exactly one r, so the optimum is the least of the sub-problems'
+optima, each the same formulation (``formulation.Formulation``) over the option tables filtered to
+that r: generation options of size r only, trainer options of at most N - r GPUs. With r fixed
+the trainer side gets a GPU-seconds cut over N - r GPUs instead of N, which is where the one big
+model's relaxation was weak.
+
+Rollout sizes are first seeded, in the order of a lower bound (``split_bound``), with a plan of
+their own (greedy fills, then the thinned warm start) unless the bound already reaches the best
+step time found; then solved, best seed first, with the objective cut off at the incumbent, so
+proving "no better plan at this size" is usually immediate. The least of the bounds of skipped
+sizes and the sub-problems' proven bounds is the bound of the whole.
+
+Worked example (Llama-3.1-70B PPO on 64 H100s, fully_async with a sync every 2 steps; a row of
+benchmarks/plan_scaling_async.py). The rollout may take 8, 16, 32, 48 or 56 GPUs. The bounds are
+472.6, 450.9 and 677.1 s for 8, 16 and 32 GPUs; on the 16 or 8 GPUs that 48 and 56 leave, some
+trainer model-stage has no option that fits and can beat greedy's plan (bound infinite). Seeding
+gives 699.3 s at r = 16 and 541.3 s at r = 8, so r = 32 is never solved. r = 8 is solved first
+(524.86 s, proven), then r = 16 under the cutoff 524.86 s is infeasible at once: 524.86 s is the
+optimum, the same as the one model that also chooses the split.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+from nereus.planner.schedules import step_time
+from nereus.planner.solver.assignment import Assignment
+from nereus.planner.solver.candidates import ACTOR, GEN, Tables, prune_by_bound
+from nereus.planner.solver.problem import PlanProblem
+from nereus.planner.solver.structure import Skeleton, placement_skeleton
+
+CUTOFF_SLACK = 1e-7
+"""Relative slack of a sub-problem's cutoff: the backends round times to ticks, so a plan equal to
+the incumbent must not be cut by rounding (the exact float objective then picks the better)."""
+
+
+def tables_for(t: Tables, r: int) -> Tables:
+    """The option tables of the sub-problem with the rollout on ``r`` GPUs."""
+    g, rest = t.unit_index(GEN), t.num_gpus - r
+    opts = tuple(tuple(o for o in oo if (o.size == r if u == g else o.size <= rest)) for u, oo in enumerate(t.options))
+    return replace(t, options=opts)
+
+
+def split_bound(t: Tables, r: int) -> float:
+    """A lower bound on the step time of any plan with the rollout on ``r`` GPUs (``t`` already
+    filtered by ``tables_for``): generation's fastest option of r GPUs against the trainer side,
+    whose phases each last at least their slowest unit's fastest option and their least
+    GPU-seconds spread over N - r GPUs, plus the cheapest weight sync between the two pools."""
+    g, tr, rest = t.unit_index(GEN), t.unit_index(ACTOR), t.num_gpus - r
+    if any(not opts for opts in t.options) or rest <= 0:
+        return math.inf
+    rollout = min(o.durations[0] for o in t.options[g])
+    trainer = 0.0
+    for ph in range(1, t.n_phases):
+        units = [u for u in range(len(t.units)) if u != g and ph in t.units[u].phases]
+        if units:
+            fastest = max(min(o.durations[ph] for o in t.options[u]) for u in units)
+            area = sum(min(o.durations[ph] * o.size for o in t.options[u]) for u in units) / rest
+            trainer += max(fastest, area)
+    trainer = max([trainer] + [min(sum(o.durations[1:]) for o in t.options[u]) for u in range(len(t.units)) if u != g])
+    sizes = {o.size for o in t.options[tr]}
+    sync = min(t.sync_s(o, s, False) for o in t.options[g] for s in sizes)
+    return step_time(t.schedule, [rollout, trainer] + [0.0] * (t.n_phases - 2), sync)
+
+
+def _templates(t: Tables, r: int) -> list[Skeleton]:
+    """Greedy starts for one r: the rollout alone on r GPUs beside the trainers together on the
+    largest pool that fits, or each on a pool of its own."""
+    g, n, rest = t.unit_index(GEN), len(t.units), t.num_gpus - r
+    together = max((s for s in t.sizes if s <= rest), default=None)
+    apart = max((s for s in t.sizes if s * (n - 1) <= rest), default=None)
+    out = []
+    if together is not None:
+        out.append(Skeleton(slot_size=(r, together), slot_parent=(-1, -1), unit_slot=tuple(0 if u == g else 1 for u in range(n))))
+    if apart is not None:
+        others = [u for u in range(n) if u != g]
+        out.append(Skeleton(slot_size=(r,) + (apart,) * (n - 1), slot_parent=(-1,) * n,
+                            unit_slot=tuple(0 if u == g else 1 + others.index(u) for u in range(n))))
+    return out
+
+
+def solve_split(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_s: float, workers: int, seed: int,
+                deterministic: bool = False, warm_start=None):
+    """(status, assignment or None, bound seconds) of an async problem, like ``solve._run_backend``.
+    ``warm_start(problem, tables, hint, time_limit_s, workers, seed, deterministic)``, when given,
+    improves each sub-problem's hint before it is solved (``solve._warm_start``)."""
+    from nereus.planner.solver.assignment import objective
+
+    t0 = time.perf_counter()
+    g, N = t.unit_index(GEN), t.num_gpus
+    best: tuple[float, Assignment] | None = (hint[0], hint[1]) if hint is not None else None
+    subs = []
+    for r in sorted({o.size for o in t.options[g] if o.size < N}):
+        tr = tables_for(t, r)
+        subs.append((split_bound(tr, r), r, tr))
+    subs.sort(key=lambda x: (x[0], x[1]))
+    bound, proven = math.inf, True
+    # first a good plan for each rollout size that may still win (its greedy fill, then the warm
+    # start), so that the sizes solved next are cut off at the best step time any of them reached
+    hints = {}
+    # the templates place pools freely: with a placement constraint only the caller's greedy plan
+    # (from its pinned templates) and the warm start (the formulation's own rules) may seed a size
+    free = problem.constraints.placement == "any" and placement_skeleton(problem, t) is None
+    for lb, r, tr in subs:
+        if best is not None and lb >= best[0]:
+            continue
+        h = _greedy_fill(tr, r) if free else None
+        if best is not None and best[1].unit_option[g].size == r and (h is None or best[0] < h[0]):
+            h = best
+        if warm_start is not None:
+            left = time_limit_s if deterministic else time_limit_s - (time.perf_counter() - t0)
+            h = warm_start(problem, tr, h, max(left, 0.0), workers, seed, deterministic)
+        hints[r] = h
+        if h is not None and (best is None or h[0] < best[0]):
+            best = (h[0], h[1])
+    # then each rollout size that may still win, the most promising first, cut off at the incumbent
+    order = sorted(subs, key=lambda x: (hints[x[1]][0] if hints.get(x[1]) else math.inf, x[0], x[1]))
+    for i, (lb, r, tr) in enumerate(order):
+        upper = best[0] if best is not None else math.inf
+        if lb >= upper:
+            bound = min(bound, lb)
+            continue
+        left = time_limit_s if deterministic else time_limit_s - (time.perf_counter() - t0)
+        if left <= 0:  # out of time: the bounds of the sizes not yet solved still bound the optimum
+            proven = False
+            bound = min([bound] + [x[0] for x in order[i:]])
+            break
+        tr = prune_by_bound(tr, upper)
+        if any(not opts for opts in tr.options):
+            bound = min(bound, upper)  # nothing at this size can beat the incumbent
+            continue
+        status, a, sub_bound = _solve_one(problem, tr, hints.get(r), upper, backend, left, workers, seed, deterministic)
+        if a is not None:
+            obj, ok, _, _ = objective(t, a)
+            if ok and (best is None or obj < best[0]):
+                best = (obj, a)
+        if status == "INFEASIBLE":  # no plan at this size beats the cutoff (or none fits at all)
+            sub_bound = upper
+        elif status != "OPTIMAL":
+            proven = False
+        bound = min(bound, sub_bound if math.isfinite(sub_bound) else lb)
+    if best is None:
+        return ("INFEASIBLE", None, math.inf) if proven else ("UNKNOWN", None, math.nan)
+    return ("OPTIMAL" if proven else "FEASIBLE"), best[1], min(bound, best[0])
+
+
+def _greedy_fill(t: Tables, r: int):
+    """The best greedy fill of ``_templates`` (objective, assignment), or None."""
+    from nereus.planner.solver.greedy import _fill
+
+    best = None
+    for sk in _templates(t, r):
+        got = _fill(t, sk)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = got
+    return best
+
+
+def _solve_one(problem: PlanProblem, t: Tables, hint, upper: float, backend: str, time_limit_s: float, workers: int,
+               seed: int, deterministic: bool):
+    """One sub-problem with the cutoff: (status, assignment or None, bound seconds)."""
+    from nereus.planner.solver.formulation import Formulation
+
+    form = Formulation(problem, t)
+    if math.isfinite(upper):
+        form.add_cutoff(upper * (1 + CUTOFF_SLACK))
+    if hint is not None:
+        form.set_hint(hint[1])
+    if backend == "cpsat":
+        from nereus.planner.solver.backends import solve_cpsat
+
+        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed, deterministic)
+    else:
+        from nereus.planner.solver.backends import solve_pulp
+
+        status, value, bound, _ = solve_pulp(form.m, time_limit_s, workers, seed)
+    if value is None:
+        return status, None, math.nan
+    return status, form.assignment(value), bound

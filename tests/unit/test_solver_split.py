@@ -1,0 +1,146 @@
+"""Async schedules solved one rollout size at a time (solver/split.py): the same optimum as the one
+model that also chooses the split, a lower bound per rollout size that never exceeds that size's
+own optimum, and sub-problems that really are the plans of one rollout size."""
+import math
+from dataclasses import replace
+
+import pytest
+
+from nereus.planner.schedules import ScheduleSpec
+from nereus.planner.solver import solve
+from nereus.planner.solver.assignment import objective
+from nereus.planner.solver.backends import solve_cpsat
+from nereus.planner.solver.candidates import GEN, build_tables
+from nereus.planner.solver.formulation import Formulation
+from nereus.planner.solver.split import split_bound, tables_for
+
+from test_solver import random_instance
+
+ONE_STEP = ScheduleSpec(kind="one_step_off")
+FULLY2 = ScheduleSpec(kind="fully_async", staleness=2, sync_every=2)
+
+
+def _async(seed: int, schedule: ScheduleSpec, epochs: int = 1):
+    p = random_instance(seed)
+    job = replace(p.job, schedule=schedule, batch=replace(p.job.batch, ppo_epochs=epochs))
+    return replace(p, job=job, workload=job.workload())
+
+
+def _full_model(problem, t):
+    """The one formulation over every rollout size (what solve ran for async before split.py):
+    (status, objective seconds or None)."""
+    form = Formulation(problem, t)
+    status, value, _, _ = solve_cpsat(form.m, form.t_hi, 60, 1, 0)
+    if value is None:
+        return status, None
+    obj, ok, _, _ = objective(t, form.assignment(value))
+    assert ok
+    return status, obj
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 5, 7, 11])
+@pytest.mark.parametrize("schedule", (ONE_STEP, FULLY2), ids=("one_step_off", "fully_async"))
+def test_split_solve_equals_the_full_model(seed, schedule):
+    problem = _async(seed, schedule, epochs=1 + seed % 3 * 4)
+    t = build_tables(problem)
+    if any(not o for o in t.options):
+        pytest.skip("a unit has no option at all")
+    status, full = _full_model(problem, t)
+    sol = solve(problem, backend="cpsat", time_limit_s=60, workers=1, seed=0)
+    if full is None:
+        assert status == "INFEASIBLE" and sol.status == "INFEASIBLE"
+        return
+    assert status == "OPTIMAL" and sol.status == "OPTIMAL"
+    assert sol.objective == pytest.approx(full, rel=1e-9)
+    assert sol.bound <= sol.objective * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 4, 6])
+@pytest.mark.parametrize("schedule", (ONE_STEP, FULLY2), ids=("one_step_off", "fully_async"))
+def test_split_bound_never_exceeds_the_optimum_of_its_rollout_size(seed, schedule):
+    """Each r's bound against that r's own optimum (its sub-problem solved without a cutoff): a bound
+    above it would skip the r that holds the optimum. The bound must also bind somewhere (it is the
+    pruning, not decoration): on at least one r it is within 2x of that r's optimum."""
+    problem = _async(seed, schedule, epochs=1 + seed % 2 * 8)
+    t = build_tables(problem)
+    g = t.unit_index(GEN)
+    ratios = []
+    for r in sorted({o.size for o in t.options[g] if o.size < t.num_gpus}):
+        tr = tables_for(t, r)
+        lb = split_bound(tr, r)
+        if any(not o for o in tr.options):
+            assert lb == math.inf
+            continue
+        status, best = _full_model(problem, tr)
+        assert status in ("OPTIMAL", "INFEASIBLE")
+        if best is None:
+            continue
+        assert {o.size for o in tr.options[g]} == {r}
+        assert lb <= best * (1 + 1e-9), (r, lb, best)
+        ratios.append(best / lb)
+    if ratios:
+        assert min(ratios) < 2.0
+
+
+def test_rollout_sizes_of_the_sub_problems_cover_every_plan():
+    """The sub-problems' tables partition the generation options by size, and keep every trainer
+    option that fits beside the rollout: the union of their plans is the full model's."""
+    problem = _async(3, ONE_STEP)
+    t = build_tables(problem)
+    g, N = t.unit_index(GEN), t.num_gpus
+    sizes = sorted({o.size for o in t.options[g] if o.size < N})
+    seen = []
+    for r in sizes:
+        tr = tables_for(t, r)
+        seen += tr.options[g]
+        for u, opts in enumerate(tr.options):
+            if u != g:
+                assert set(opts) == {o for o in t.options[u] if o.size <= N - r}
+    assert sorted(seen, key=id) == sorted((o for o in t.options[g] if o.size < N), key=id)
+
+
+@pytest.mark.parametrize("schedule", (ONE_STEP, FULLY2), ids=("one_step_off", "fully_async"))
+def test_inference_and_training_estimates_do_not_depend_on_the_schedule(schedule):
+    """The option tables price inference and training on the job with a sync schedule and share
+    them across schedules (candidates._Estimator): true only while the cost model reads the
+    schedule for generation alone. Generation must differ (a dedicated pool never wakes up)."""
+    from nereus.planner.cost.model import estimate
+    from nereus.planner.specs import ParallelConfig
+
+    p = _async(1, schedule)
+    sync_job = replace(p.job, schedule=ScheduleSpec())
+    for ms in p.job.model_stages():
+        for cfg in (ParallelConfig(tp=1, dp=4), ParallelConfig(tp=2, pp=2, dp=1, micro_batch=2, zero=3, recompute=True)):
+            a = estimate(p.job, p.cluster, ms, cfg, p.workload)
+            b = estimate(sync_job, p.cluster, ms, cfg, p.workload)
+            if ms.endswith("/generation"):
+                assert a.time_s != b.time_s
+            else:
+                assert (a.time_s, a.resident_bytes, a.transient_bytes) == (b.time_s, b.resident_bytes, b.transient_bytes)
+
+
+@pytest.mark.parametrize("seed", [1, 3, 5])
+def test_placement_constraints_hold_under_the_split_solve(seed):
+    """With the pools pinned (the transition-aware candidate "current pools, new configs") or every
+    unit apart, the split solve's plan keeps them, and its optimum is the full model's."""
+    from nereus.planner.solver import PlanConstraints
+
+    base = _async(seed, ONE_STEP)
+    first = solve(base, backend="cpsat", time_limit_s=60, workers=1, seed=0)
+    if first.plan is None:
+        pytest.skip("infeasible instance")
+    w = base.workload.with_lengths(mean=base.workload.response_len_mean * 2)
+    for cons in (PlanConstraints(fixed_placement=first.plan), PlanConstraints(placement="disaggregated")):
+        problem = replace(base, workload=w, constraints=cons)
+        sol = solve(problem, backend="cpsat", time_limit_s=60, workers=1, seed=0)
+        t = build_tables(problem)
+        status, full = _full_model(problem, t) if all(t.options) else ("INFEASIBLE", None)
+        assert sol.status == status
+        if full is None:
+            continue
+        assert sol.objective == pytest.approx(full, rel=1e-9)
+        pools = {s.name: (s.first_gpu, s.gpus) for s in sol.plan.stages}
+        if cons.fixed_placement is not None:
+            assert pools == {s.name: (s.first_gpu, s.gpus) for s in first.plan.stages}
+        else:
+            assert len(set(pools.values())) == len(problem.job.roles) + 1  # one pool per decision unit
