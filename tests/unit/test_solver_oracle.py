@@ -32,8 +32,9 @@ the tables drop by mistake. None of these can beat the solver's own options:
 
 * every KV level, including those above the peak KV demand;
 * every micro-batch, even one above a DP rank's share of the sequences;
-* the ZeRO stages and recompute settings on frozen units too (the cost model ignores them for
-  inference, so the duplicates collapse);
+* recompute settings on frozen units too (the cost model ignores them for inference, so the
+  duplicates collapse); frozen units get ``CandidateSettings.frozen_zeros``, the solver's own ZeRO
+  stages for them, since ZeRO-3 shards a frozen model's weights and so can win;
 * no memory rounding to KiB.
 
 Under these rules the two spaces coincide, and the test asserts both CP-SAT's objective <= the
@@ -184,7 +185,7 @@ def _options(problem: PlanProblem, stages: tuple[str, ...], size: int, sync_keys
         seq_splits += [{"cp": cp} for cp in cs.cps if cp != 1 and dp % cp == 0]
         for mb, split, xl in ((mb, x, y) for mb in cs.micro_batches for x in seq_splits
                               for y in _expert_layouts(job.model(role), tp, dp, False)):
-            for zero in zeros:
+            for zero in (zeros if len(stages) == 2 else tuple(cs.frozen_zeros)):
                 if zero >= 3 and xl.get("ep", 1) * xl.get("etp", 1) > 1:
                     continue
                 for rc in cs.recompute:
@@ -224,7 +225,8 @@ class OracleResult:
     mismatches: list
 
 
-ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "recompute", "sps", "cps", "offload", "kv_fractions"}
+ORACLE_AXES = {"tps", "max_pp", "micro_batches", "zeros", "frozen_zeros", "recompute", "sps", "cps", "offload",
+               "kv_fractions"}
 """CandidateSettings fields the oracle enumerates (offload only at its default, off)."""
 
 
@@ -235,7 +237,8 @@ def spaces_coincide(cs: CandidateSettings) -> bool:
 
 def oracle(problem: PlanProblem, zeros: tuple[int, ...] | None = None, time_budget_s: float = 120.0) -> OracleResult:
     """Exact best plan of ``problem`` over the space in the module docstring, by evaluate_plan.
-    ``zeros`` defaults to the problem's ZeRO stages; every unit gets them, frozen ones included."""
+    ``zeros`` defaults to the problem's ZeRO stages; every trainable unit gets them, frozen ones get
+    ``frozen_zeros``."""
     cs = problem.candidates
     zeros = tuple(cs.zeros) if zeros is None else zeros
     cluster = problem.cluster
@@ -405,6 +408,16 @@ def test_cpsat_objective_equals_independent_oracle_on_ppo8b_every_zero_stage(gpu
     """ZeRO 0-3 on both sides (at 16 GPUs with 4k responses ZeRO-2 beats ZeRO 1 and 3 in the cost
     model, so a solver that drops a requested stage is caught there)."""
     _check(_problem(gpus, mean, max_len, zeros=ALL_ZEROS), zeros=ALL_ZEROS)
+
+
+@pytest.mark.parametrize("gpus,mean,max_len", [(8, 4096, 16384), (8, 8192, 32768)])
+def test_cpsat_objective_equals_independent_oracle_with_sharded_frozen_models(gpus, mean, max_len):
+    """Frozen models may run ZeRO-3 (``frozen_zeros`` (1, 3), as the simulator's policies do): their
+    weights sharded over dp; at these lengths a ZeRO-3 reference beats the replicated one."""
+    sol, orc = _check(_problem(gpus, mean, max_len, frozen_zeros=(1, 3)), zeros=CandidateSettings().zeros)
+    base, _ = _check(_problem(gpus, mean, max_len), zeros=CandidateSettings().zeros)
+    assert sol.objective < base.objective * (1 - 1e-6)
+    assert sol.plan.stage("ref/inference").config.zero == 3
 
 
 @pytest.mark.parametrize("gpus,mean,max_len", [(8, 16384, 65536)])
