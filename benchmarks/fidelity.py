@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from nereus.fidelity.async_rows import composition_check  # noqa: E402
 from nereus.fidelity.catalog import profile_gpu, resolve_gpu  # noqa: E402
-from nereus.fidelity.predict import moe_estimates, predict  # noqa: E402
+from nereus.fidelity.predict import moe_estimates, moe_one_step_off, predict  # noqa: E402
 from nereus.fidelity.report import speedup_summary, speedups  # noqa: E402
 from nereus.fidelity.corpus import load_corpus  # noqa: E402
 from nereus.fidelity.report import evaluate, fitted_params, params_source, scatter, summarize  # noqa: E402
@@ -56,20 +56,23 @@ def node_checks() -> dict:
 
 
 def moe_rows(rows) -> list[dict]:
-    """The ``moe`` rows with the fitted profiles: published and predicted step, and each
-    model-stage's time with its terms over 0.5 s (where the step's time goes)."""
+    """The ``moe`` rows with the fitted profiles: published and predicted step, and for a colocated
+    row each model-stage's time with its terms over 0.5 s (where the step's time goes)."""
     out = []
     for r in (r for r in rows if r.category == "moe"):
         pred = predict(r, fitted_params)
         rec = {"id": r.id, "model": r.model, "gpus": r.gpus, "published_s": r.value, "predicted_s": pred.predicted,
                "ratio": pred.ratio, "reason": pred.reason}
-        if pred.predicted is not None:
+        if pred.predicted is not None and r.get("schedule") is None:  # a colocated step: the sum of its stages
             gpu, _ = resolve_gpu(r.hardware)
             ests, sync = moe_estimates(r, gpu, fitted_params(profile_gpu(gpu)))
             rec["stages"] = {ms: {"time_s": e.time_s, "config": e.config.label(),
                                   "terms_s": {k: v for k, v in e.time_breakdown.items() if v > 0.5}}
                              for ms, e in ests.items()}
             rec["weight_sync_s"] = sync
+        elif pred.predicted is not None:  # one-step-off: the two pools overlap
+            gpu, _ = resolve_gpu(r.hardware)
+            rec["pools"] = moe_one_step_off(r, gpu, fitted_params(profile_gpu(gpu)))
         out.append(rec)
     return out
 
@@ -117,6 +120,8 @@ def main() -> int:
         stages = "; ".join(f"{ms} {x['time_s']:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in x['terms_s'].items())})"
                            for ms, x in m.get("stages", {}).items())
         got = f"{m['predicted_s']:.1f} s ({m['ratio']:.2f}x)" if m["predicted_s"] else m["reason"]
+        if "pools" in m:
+            stages = "one-step-off: " + ", ".join(f"{k} {v:.1f}" for k, v in m["pools"].items() if k != "step_s")
         print(f"moe {m['id']} {m['model']} {m['gpus']} GPUs: published {m['published_s']:g} s, predicted {got}; {stages}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")

@@ -293,10 +293,60 @@ def moe_estimates(row: Row, gpu: GPUSpec, p: CostParams) -> tuple[dict, float]:
     return ests, weight_sync_s(model, train, gen, cluster, True, p)
 
 
+def moe_one_step_off_s(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """Seconds of a one-step-off MoE row's step (``moe_one_step_off``)."""
+    return moe_one_step_off(row, gpu, p)["step_s"]
+
+
+def moe_one_step_off(row: Row, gpu: GPUSpec, p: CostParams) -> dict[str, float]:
+    """The step of a one-step-off MoE row (with its rollout and trainer pools' times and the sync),
+    as ``async_rows`` prices a dense one: generation alone on
+    the first ``rollout_gpus`` (rollout_tp / rollout_pp), every other model-stage on the next
+    ``train_gpus`` at the stated expert layout, the cross-pool weight sync, ``compose_step``
+    (max(rollout, trainer) + the sync that cannot overlap). The run happened, so neither the plans'
+    memory reserve nor the allocator's slack may refuse it; each pool's memory is still checked."""
+    from nereus.models.spec import preset
+    from nereus.planner.cost.plan_times import compose_step, evaluate_times, phase_makespans
+    from nereus.planner.plan import Plan, StagePlacement
+    from nereus.planner.schedules import ScheduleSpec
+    from nereus.planner.specs import ClusterSpec
+
+    p = replace(p, mem_reserve_frac=0.0, mem_fragmentation=1.0)
+    model = preset(row.get("preset") or "")
+    job, w = rl_job(row, model)
+    sched = ScheduleSpec(kind="one_step_off", staleness=_int(row, "staleness", 1))
+    job = replace(job, schedule=sched, rollout=replace(job.rollout, sleep=False))
+    R, T = _int(row, "rollout_gpus"), _int(row, "train_gpus")
+    cluster = ClusterSpec(gpu=gpu, nodes=math.ceil((R + T) / 8), gpus_per_node=8)
+    train, _ = moe_stage_configs(row, T)
+    rtp, rpp = _int(row, "rollout_tp", 1), _int(row, "rollout_pp", 1)
+    if R % (rtp * rpp):
+        raise Unsupported(f"rollout tp*pp = {rtp * rpp} does not divide {R} rollout GPUs")
+    gen = ParallelConfig(tp=rtp, pp=rpp, dp=R // (rtp * rpp), ep=_int(row, "rollout_ep", 1))
+    plan = Plan(stages=tuple(StagePlacement(name=ms, config=gen if ms.endswith("generation") else train,
+                                            pool=0 if ms.endswith("generation") else 1,
+                                            first_gpu=0 if ms.endswith("generation") else R,
+                                            gpus=R if ms.endswith("generation") else T) for ms in job.model_stages()),
+                extras=(("schedule", sched.to_dict()),))
+    stage_s = {s.name: estimate(job, cluster, s.name, s.config, w, p).time_s for s in plan.stages}
+    check = evaluate_times(job, cluster, plan, w, p)
+    if check.violations:
+        raise Unsupported(f"the plan does not fit: {check.violations[0]}")
+    sync = weight_sync_s(model, train, gen, cluster, False, p)
+    spans = phase_makespans(job, plan, stage_s)
+    return {"step_s": compose_step(job, plan, stage_s, sync), "rollout_s": spans[0], "trainer_s": sum(spans[1:]),
+            "weight_sync_s": sync}
+
+
 def _moe(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     """A mixture-of-experts RL row (``kind=rl``): the model from its preset (``nereus.models``), the
     job from the row as for ``rl_stages`` (``rl_job``), every model-stage at the row's expert layout
-    (``moe_stage_configs``), generation and weight sync colocated; ``stage=step`` sums them."""
+    (``moe_stage_configs``), generation and weight sync colocated; ``stage=step`` sums them. A
+    ``schedule=one_step_off`` row: ``moe_one_step_off_s``."""
+    if row.get("schedule") == "one_step_off":
+        if row.get("kind") != "rl" or row.get("stage") != "step":
+            raise Unsupported("one-step-off moe rows: only kind=rl stage=step is modelled")
+        return moe_one_step_off_s(row, gpu, p)
     ests, sync = moe_estimates(row, gpu, p)
     times = {ms: e.time_s for ms, e in ests.items()}
     stage = row.get("stage", "")

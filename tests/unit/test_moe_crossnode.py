@@ -85,3 +85,30 @@ def test_moe_rows_spanning_nodes_are_predicted_with_their_stated_layouts():
                                                                    "moe-nemorl-003": (32, 8, 1)}
     preds = evaluate(list(rows.values()), fitted_params)
     assert all(p.predicted and p.predicted > 0 for p in preds), [(p.row.id, p.reason) for p in preds]
+
+
+def test_one_step_off_moe_rows_overlap_rollout_and_trainer_pools():
+    """NeMo RL's 1-step-off MoE rows: generation alone on the rollout GPUs, the rest on the trainer
+    GPUs; the step is the slower pool plus what of the sync cannot overlap, not the sum."""
+    from dataclasses import replace
+
+    from nereus.fidelity.corpus import load_corpus
+    from nereus.fidelity.predict import moe_one_step_off_s, moe_stage_configs
+    from nereus.fidelity.report import fitted_params
+    from nereus.fidelity.rl_rows import rl_job
+
+    p = fitted_params("h100-80gb")
+    rows = {r.id: r for r in load_corpus() if r.category == "moe"}
+    r = rows["moe-nemorl-006"]  # DeepSeek-V3, 256 : 256, vLLM TP 32 over 4 nodes
+    step = moe_one_step_off_s(r, H100, p)
+    job, w = rl_job(r, preset("deepseek-v3"))
+    cluster = ClusterSpec(gpu=H100, nodes=64, gpus_per_node=8)
+    train, gen = moe_stage_configs(r, 256)  # 256 : 256, so one call gives both pools' layouts
+    assert (gen.tp, gen.dp, train.pp, train.ep, train.dp) == (32, 8, 16, 16, 16)
+    q = replace(p, mem_reserve_frac=0.0, mem_fragmentation=1.0)
+    rollout = estimate(job, cluster, "actor/generation", gen, w, q).time_s
+    rollout = rollout - estimate(job, cluster, "actor/generation", gen, w, q).time_breakdown.get("engine_wake_sleep", 0)
+    trainer = sum(estimate(job, cluster, ms, train, w, q).time_s for ms in job.model_stages() if ms != "actor/generation")
+    assert max(rollout, trainer) * 0.999 <= step < rollout + trainer
+    fewer = replace(r, config={**r.config, "rollout_gpus": "128"})  # half the rollout GPUs: twice the sequences
+    assert moe_one_step_off_s(fewer, H100, p) > step * (1 + 1e-6)  # per replica, a (slightly) slower rollout
