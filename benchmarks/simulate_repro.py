@@ -15,10 +15,11 @@ TP/PP layout that only scales DP; in a 1,000-step run reaching 1,024 GPUs, 6 tra
 of run time; 8B PPO throughput 1.10-1.47x verl and 2.14-7.27x OpenRLHF.
 
 Figures per run, for ``adaptive`` (live transitions) and ``adaptive-restart`` (restart mode: every
-switch a checkpoint save + relaunch): mean step latency (wall time per completed step, transitions
-and restarts included) against static-naive, static and hindsight (and the oracle's against static);
-number of transitions and their share of run time; throughput (completed steps per wall second)
-against verl-like and OpenRLHF-like.
+switch a checkpoint save + relaunch): mean step latency (wall time per step, transitions and crash
+restarts included) against static-naive, static, the better of the two, and hindsight (and the
+oracle's against static); number of transitions and their share of run time; throughput against
+verl-like and OpenRLHF-like (the better of its disaggregated and colocate-all modes). Every ratio is
+taken on the steps both policies completed (``on_common_steps``), with the count beside it.
 
     .venv/bin/python benchmarks/simulate_repro.py --json benchmarks/results/simulate_repro.json
     .venv/bin/python benchmarks/simulate_repro.py --only ramp_1024_noisy --jobs ppo-8b --steps 50   # smoke test
