@@ -89,9 +89,12 @@ def zero_box(box: Box, dp: int, dp_rank: int) -> Box | None:
 
 def dp_sharded(kind: str, p: StagePlacement) -> bool:
     """Whether ``kind`` is split along DP under ``p``: optimizer kinds from ZeRO-1 on, params too
-    under ZeRO-3 (FSDP) of a training stage; frozen models' inference stages never shard."""
-    if p.config.dp == 1 or p.stage != "training":
+    under ZeRO-3 (FSDP) of a training stage; a frozen model's inference stage (its home) shards its
+    params under ZeRO-3 only (verl's FSDP reference, OpenRLHF's stage-3 eval engine)."""
+    if p.config.dp == 1:
         return False
+    if p.stage != "training":
+        return kind not in OPTIMIZER_KINDS and p.config.zero >= 3
     return p.config.zero >= (1 if kind in OPTIMIZER_KINDS else 3)
 
 
