@@ -85,3 +85,22 @@ def test_best_of_picks_the_faster_baseline_on_common_steps():
     assert simulate_repro.best_of(res, ("static", "static-naive")) == "static-naive"  # 16.7 against 12 per step
     res["static-naive"] = _result("static-naive", [12, math.nan, 12], dropped={1})
     assert simulate_repro.best_of(res, ("static", "static-naive")) == "static"  # 10 against 12 where both ran
+
+
+def test_a_sharded_reference_holds_its_shard_in_the_transition_planner_too(first_plans):
+    """The EMUs of a frozen model under ZeRO-3 hold 1/dp of its params (so a transition to or from
+    verl-like's plan is priced on shards, not on whole weights that do not fit a GPU)."""
+    from dataclasses import replace
+
+    from nereus.planner.transition.build import transition_cost
+    from nereus.planner.transition.emu import gpu_regions, kinds_of
+
+    _, plan = first_plans["verl"]
+    ref = plan.stage("ref/inference")
+    kinds = tuple(kinds_of("ref"))
+    elems = lambda p: sum(math.prod(r.lengths) for r in gpu_regions(JOB32.model("ref"), "ref", p, 0, 0, 0, kinds))  # noqa: E731
+    assert elems(ref) * ref.config.dp == pytest.approx(elems(replace(ref, config=replace(ref.config, zero=1))), rel=0.01)
+    fewer = replace(plan, stages=tuple(replace(s, config=replace(s.config, micro_batch=1)) for s in plan.stages))
+    other_tp = replace(fewer, stages=tuple(replace(s, config=replace(s.config, tp=8, dp=4)) if s.name == "actor/generation"
+                                           else s for s in fewer.stages))
+    assert math.isfinite(transition_cost(plan, other_tp, NODES4, JOB32))
