@@ -34,12 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from nereus.commands.simulate import on_common_steps  # noqa: E402
 from nereus.errors import NereusError  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
 from nereus.simulator.policies import POLICIES  # noqa: E402
@@ -71,29 +70,6 @@ REFS = ("static-naive", "static", "hindsight", "verl", "openrlhf", "openrlhf-col
 BEST_OF = {"static-best": ("static", "static-naive"), "openrlhf-best": ("openrlhf", "openrlhf-colocate")}
 """Baselines reported as the better of two: the solver's step-0 layout or the framework example's
 (what a user would keep, knowing both); OpenRLHF with its models apart or ``--colocate_all_models``."""
-
-
-def _wall(r) -> np.ndarray:
-    """Per step, the seconds it took (step + transition + crash restarts); nan where dropped."""
-    wall = np.asarray(r.step_s, float) + np.asarray(r.transition_s, float) + np.asarray(r.restart_s, float)
-    return np.where(np.asarray(r.dropped, bool), np.nan, wall)
-
-
-def on_common_steps(a, b) -> dict | None:
-    """``a`` against ``b`` (``PolicyResult``s) on the steps both completed: mean seconds per step of
-    each there (transitions and crash restarts of those steps included), ``a``'s latency reduction
-    and throughput ratio, and how many steps that is beside each one's completed steps. None when
-    either did not run or they share no completed step."""
-    if a.note or b.note:
-        return None
-    wa, wb = _wall(a), _wall(b)
-    both = ~np.isnan(wa) & ~np.isnan(wb)
-    n = int(both.sum())
-    if not n:
-        return None
-    ma, mb = float(wa[both].mean()), float(wb[both].mean())
-    return {"steps_both": n, "completed": a.completed, "completed_ref": b.completed, "mean_step_s": ma,
-            "mean_step_s_ref": mb, "latency_reduction": 1 - ma / mb, "throughput_x": mb / ma}
 
 
 def best_of(res: dict, names: tuple[str, str]) -> str | None:
