@@ -10,7 +10,10 @@ longest of its own sampled responses, the cap in its own column; the 1k trace is
 ``ramp_1024_noisy``). Besides the whole run, ``truth_s`` is the ground truth alone: the step times
 of every plan the run used, over the whole trace, on a fresh ``GroundTruth`` (cold caches, one
 process), and ``generation_events`` how many of its engine replicas needed the event simulation
-(KV or slot pressure).
+(KV or slot pressure). Side by side in the same process, ``truth_unshared_s`` /
+``generation_events_unshared``: the same on a truth whose engines that differ only in their KV
+budget share nothing (``GroundTruth(share_engines=False)``, the code before the sharing); the
+step times must be identical (the script fails otherwise).
 
     .venv/bin/python benchmarks/simulate_batch_scaling.py --json benchmarks/results/simulate_batch_scaling.json
     .venv/bin/python benchmarks/simulate_batch_scaling.py --sizes 8192 --steps 100   # quicker
@@ -23,6 +26,8 @@ import os
 import sys
 import time
 from dataclasses import replace
+
+import numpy as np
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +38,7 @@ from nereus.simulator.policies import POLICIES  # noqa: E402
 from nereus.simulator.schedules import TransitionSchedules  # noqa: E402
 from nereus.simulator.simulate import simulate  # noqa: E402
 from nereus.simulator.trace import as_logged, load_trace  # noqa: E402
-from nereus.simulator.truth import engine  # noqa: E402
+from nereus.simulator.truth import machine  # noqa: E402
 from nereus.simulator.truth.machine import GroundTruth  # noqa: E402
 
 SHAPES = {1024: (256, 4), 8192: (512, 16), 32768: (2048, 16)}
@@ -53,24 +58,30 @@ def job_and_trace(responses: int, steps: int | None):
 
 
 def truth_alone(job, cluster, trace, plans) -> dict:
-    """The ground truth's own time on ``plans`` over the trace (cold caches, this process)."""
-    calls = {"replicas": 0, "event_replicas": 0}
-    orig = engine._simulate
+    """The ground truth's own time on ``plans`` over the trace (cold caches, this process), with its
+    engines sharing runs across KV budgets and, side by side, without (the same numbers)."""
+    out, times = {}, {}
+    for tag, share in (("_unshared", False), ("", True)):
+        calls = {"event_replicas": 0}
+        orig = machine._simulate
 
-    def counting(reps, *a, **k):
-        calls["event_replicas"] += len(reps)
-        return orig(reps, *a, **k)
+        def counting(reps, *a, **k):
+            calls["event_replicas"] += len(reps)
+            return orig(reps, *a, **k)
 
-    engine._simulate = counting
-    try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        gt = GroundTruth(job, cluster, trace, seed=0)
-        for p in plans:
-            gt.step_times(p)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        engine._simulate = orig
-    return {"truth_s": wall, "truth_cpu_s": cpu, "plans": len(plans), "generation_events": calls["event_replicas"]}
+        machine._simulate = counting
+        try:
+            t0, c0 = time.perf_counter(), time.process_time()
+            gt = GroundTruth(job, cluster, trace, seed=0, share_engines=share)
+            times[tag] = [gt.step_times(p) for p in plans]
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            machine._simulate = orig
+        out.update({f"truth{tag}_s": wall, f"truth{tag}_cpu_s": cpu, f"generation_events{tag}": calls["event_replicas"]})
+    same = all(np.array_equal(a, b) for a, b in zip(times[""], times["_unshared"]))
+    if not same:
+        raise SystemExit("the truth's step times differ with and without shared engine runs")
+    return {**out, "plans": len(plans), "identical_with_and_without_sharing": same}
 
 
 def one(responses: int, steps: int | None, workers: int, cluster) -> dict:
@@ -110,7 +121,9 @@ def main(argv=None) -> int:
               f"{row['steps']} steps to {row['max_gpus']} GPUs, all {len(row['per_policy'])} policies: wall "
               f"{row['wall_s']:6.1f} s, CPU {row['cpu_s']:6.1f} s (load {row['load_average_before']:.1f} -> "
               f"{row['load_average_after']:.1f}); truth alone {row['truth_s']:5.1f} s on {row['plans']} plans "
-              f"({row['generation_events']:,} engine replicas event-simulated)", flush=True)
+              f"({row['generation_events']:,} engine replicas event-simulated), without shared engine runs "
+              f"{row['truth_unshared_s']:5.1f} s ({row['generation_events_unshared']:,}; identical step times)",
+              flush=True)
     base = rows[0]
     for r in rows[1:]:
         x = r["responses_per_step"] / base["responses_per_step"]

@@ -255,9 +255,10 @@ def looks_like_trace_csv(path: str | Path) -> bool:
 
 def as_logged(trace: Trace, prompts: int, samples: int, seed: int = 0, name: str | None = None) -> Trace:
     """``trace`` as a job would log it: per step, ``prompts x samples`` responses drawn from the
-    row's length distribution (``truth.lengths``: log-normal, truncated at the cap); the row becomes
-    their mean and longest (``response_len_max``), with the cap in ``response_len_cap``. Every step
-    then differs, by the sampling noise a real run shows."""
+    row's length distribution (``truth.lengths``: an empirically shaped mixture, a gamma body fitted
+    to published RL runs and the spike of responses cut at the cap); the row becomes their mean and
+    longest (``response_len_max``), with the cap in ``response_len_cap``. Every step then differs,
+    by the sampling noise a real run shows."""
     import numpy as np
 
     from nereus.simulator.truth.lengths import LengthSampler

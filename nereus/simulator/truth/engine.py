@@ -35,12 +35,12 @@ def split_replicas(lengths: np.ndarray, dp: int) -> np.ndarray:
     return pad.reshape(t, dp, s)
 
 
-def generation_times(lengths: np.ndarray, prompt: np.ndarray, dp: int, a: np.ndarray, beta: float,
-                     kv_tokens: float, prefill, max_seqs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per step (seconds of the slowest replica, preemptions summed over replicas).
-
-    ``lengths`` [T, N]; ``prompt`` [T] prompt tokens; ``a``/``beta`` decode coefficients;
-    ``kv_tokens`` the replica's KV budget in tokens; ``prefill(tokens[R], prompt[R])`` -> seconds."""
+def closed_form(lengths: np.ndarray, prompt: np.ndarray, dp: int, a: np.ndarray, beta: float,
+                prefill) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seconds [T, dp] of each replica as if all its sequences ran at once, their KV peak in tokens
+    [T, dp], their count [T, dp]) for ``lengths`` [T, N]: what depends neither on the KV budget nor
+    on the slots, so engines that differ only in those share it. Each step's row is computed on its
+    own (a subset of the steps gives the same numbers)."""
     reps = split_replicas(lengths, dp)
     t, d, s = reps.shape
     srt = np.sort(reps, axis=-1).astype(np.float64)
@@ -52,16 +52,37 @@ def generation_times(lengths: np.ndarray, prompt: np.ndarray, dp: int, a: np.nda
     dec = (n * a_seg + beta * active * (n * p + n * (prev + srt - 1) / 2)).sum(axis=-1)
     count = (reps > 0).sum(axis=-1)
     pre = prefill((count * p[..., 0]).ravel(), np.repeat(prompt, d).astype(float)).reshape(t, d)
-    total = dec + pre
     peak = np.where(srt > 0, active * (p + srt), 0.0).max(axis=-1)
+    return dec + pre, peak, count
+
+
+def generation_times(lengths: np.ndarray, prompt: np.ndarray, dp: int, a: np.ndarray, beta: float,
+                     kv_tokens: float, prefill, max_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step (seconds of the slowest replica, preemptions summed over replicas).
+
+    ``lengths`` [T, N]; ``prompt`` [T] prompt tokens; ``a``/``beta`` decode coefficients;
+    ``kv_tokens`` the replica's KV budget in tokens; ``prefill(tokens[R], prompt[R])`` -> seconds."""
+    total, peak, count = closed_form(lengths, prompt, dp, a, beta, prefill)
     pressured = (peak > kv_tokens) | (count > max_seqs)
-    preempted = np.zeros((t, d))
+    preempted = np.zeros(total.shape)
     if pressured.any():
         idx = np.nonzero(pressured)
+        reps = split_replicas(lengths, dp)
         pt, pp_ = _simulate(reps[idx], np.asarray(prompt, float)[idx[0]], a, beta, kv_tokens, prefill, max_seqs)
         total[idx] = pt
         preempted[idx] = pp_
     return total.max(axis=1), preempted.sum(axis=1)
+
+
+def covers(kv_tokens, held: np.ndarray, asked: np.ndarray) -> np.ndarray:
+    """Whether a replica's event simulation (``_simulate(..., demand=True)``: ``held``, ``asked``) is
+    also its run under a KV budget of ``kv_tokens``, bit for bit: the budget holds the most KV tokens
+    the run held (so nothing is preempted and every decode runs to its next finish) and leaves room,
+    after vLLM's watermark and a token of margin for rounding, for every admission the slots and the
+    queue allowed (so KV room limits none). Then no decision depends on the budget: engines that
+    differ only in it (the same model, TP, PP and DP on pools holding different resident states)
+    share the run. A run under a budget it does not cover was shaped by that budget."""
+    return (kv_tokens >= held) & (kv_tokens * (1 - WATERMARK) >= asked + 1.0)
 
 
 _NEVER = np.iinfo(np.int64).max // 4
@@ -69,7 +90,7 @@ _NEVER = np.iinfo(np.int64).max // 4
 
 
 def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, kv: float,
-              prefill, max_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+              prefill, max_seqs: int, demand: bool = False) -> tuple[np.ndarray, ...]:
     """Event simulation of R replicas ([R, S] lengths, zero = no sequence); see module docstring.
 
     The same process, events and arithmetic as ``_simulate_reference`` (identical clocks and
@@ -84,13 +105,19 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
       admission, preemption and finish; a sequence's generated tokens are ``gbase + tick - atick``;
     - KV tokens held, running counts and queue pointers are integers kept per replica (exact).
 
-    Needs whole-number prompt lengths (the truth's); otherwise the reference runs."""
+    Needs whole-number prompt lengths (the truth's); otherwise the reference runs. ``demand``:
+    also return, per replica, the most KV tokens held (after admissions and after each decode) and
+    the most KV room an admission would have needed to take all the slots and the queue allowed
+    (``covers``); None for both on the reference path."""
     p_in = np.asarray(prompt, dtype=np.float64)
     if not np.array_equal(p_in, np.round(p_in)):
-        return _simulate_reference(reps, p_in, a, beta, kv, prefill, max_seqs)
+        out = _simulate_reference(reps, p_in, a, beta, kv, prefill, max_seqs)
+        return out + (None, None) if demand else out
     r0, s = reps.shape
     clock_out = np.zeros(r0)
     pre_out = np.zeros(r0)
+    held_out = np.zeros(r0, dtype=np.int64)
+    asked_out = np.zeros(r0)
     # valid sequences first, in dispatch order (a zero is no sequence; only the relative order matters)
     valid = reps > 0
     order = np.argsort(~valid, axis=1, kind="stable")
@@ -117,6 +144,8 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
     am = np.zeros(r, dtype=np.int64)
     clock = np.zeros(r)
     preempted = np.zeros(r)
+    held = np.zeros(r, dtype=np.int64)              # the most KV tokens held (``demand``)
+    asked = np.zeros(r)                             # the largest KV room an admission needed
     room_base = kv * (1 - WATERMARK)
     amax = len(a) - 1
 
@@ -147,12 +176,14 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
             gone = ~alive
             clock_out[row_id[gone]] = clock[gone]
             pre_out[row_id[gone]] = preempted[gone]
+            held_out[row_id[gone]], asked_out[row_id[gone]] = held[gone], asked[gone]
             (row_id, L, nvalid, pf, pi, fin, adm, gbase, atick, stack, psize, ptr, tick, used, nrun, ndone, mn, am,
-             clock, preempted) = (x[alive] for x in (row_id, L, nvalid, pf, pi, fin, adm, gbase, atick, stack, psize,
-                                                     ptr, tick, used, nrun, ndone, mn, am, clock, preempted))
+             clock, preempted, held, asked) = (
+                x[alive] for x in (row_id, L, nvalid, pf, pi, fin, adm, gbase, atick, stack, psize, ptr, tick, used,
+                                   nrun, ndone, mn, am, clock, preempted, held, asked))
             r, alive = n_alive, alive[alive]
         if r == 0:
-            return clock_out, pre_out
+            return (clock_out, pre_out, held_out, asked_out) if demand else (clock_out, pre_out)
         # ---- admissions: a prefix of (preempted stack, latest first) + (never admitted, in order)
         slots = max_seqs - nrun
         room = room_base - used.astype(np.float64) - nrun
@@ -189,6 +220,9 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
         j = np.where(cum + (j + 1) * step_need <= room, j + 1, j)
         j = np.where((j > 0) & (cum + j * step_need > room), j - 1, j)
         j = np.minimum(np.maximum(j, 0).astype(np.int64), np.minimum(slots - took, nvalid - ptr))
+        if demand:  # the room every sequence the slots and the queue allow would need
+            j_slots = np.where(whole, np.maximum(np.minimum(slots - took, nvalid - ptr), 0), 0)
+            asked = np.maximum(asked, used + nrun + cum + j_slots * step_need)
         j = np.where(whole, np.maximum(j, 0), 0)
         fresh = np.nonzero(j)[0]
         if len(fresh):
@@ -207,6 +241,8 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
         if (alive & (nrun == 0)).any():
             raise ValueError("generation: a sequence does not fit in the KV budget on its own")
         # ---- preemption when the next iteration has no KV slot for every running sequence
+        if demand:
+            held = np.maximum(held, used + nrun)
         used_f = used.astype(np.float64)
         free = kv - used_f
         short = np.nonzero(free < nrun)[0]
@@ -230,6 +266,8 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
         clock += step * a[np.minimum(nrun, amax)] + beta * (step * used_f + nrun * step * (step - 1) / 2)
         tick += step
         used += nrun * step
+        if demand:
+            held = np.maximum(held, used)
         ended = np.nonzero(alive & (step == to_finish))[0]
         while len(ended):  # every sequence whose finish tick is reached (ties: one more round each)
             ec = am[ended]

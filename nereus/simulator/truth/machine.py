@@ -27,7 +27,7 @@ from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
 from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec
 from nereus.simulator.truth import network
 from nereus.simulator.truth.corpus import tables
-from nereus.simulator.truth.engine import generation_times
+from nereus.simulator.truth.engine import _simulate, closed_form, covers, split_replicas
 from nereus.simulator.truth.kernels import decode_coeffs, prefill_s
 from nereus.simulator.truth.lengths import LengthSampler
 from nereus.simulator.truth.memory import (ENGINE_MEMORY_UTILIZATION, GiB, capacity_bytes, kv_budget_tokens,
@@ -95,8 +95,13 @@ class GroundTruth:
     """
 
     def __init__(self, job: JobSpec, cluster: ClusterSpec, trace, *, seed: int = 0, jitter: float = 0.02,
-                 schedule_fn: Callable[[Plan, Plan], Tasks] | None = None, block: int = 64) -> None:
+                 schedule_fn: Callable[[Plan, Plan], Tasks] | None = None, block: int = 64,
+                 share_engines: bool = True) -> None:
+        """``share_engines``: engines that differ only in their KV budget share what does not depend on
+        it (``_generation``); False computes each budget alone (the same numbers, slower: the
+        speed benchmark's control)."""
         self.job, self.cluster, self.seed, self.jitter, self.block = job, cluster, seed, jitter, block
+        self.share_engines = share_engines
         self.tab = tables(cluster.gpu)
         self.links = network.Links.of(cluster, self.tab)
         self.schedule_fn = schedule_fn
@@ -117,6 +122,7 @@ class GroundTruth:
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._stage: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._coeffs: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._engines: dict[tuple, dict[str, np.ndarray]] = {}
         self._plans: dict[tuple, dict] = {}
         self.prices = LayoutChangePrices(self._live_transition_s)
         self._timelines: dict[tuple, Timeline] = {}
@@ -227,7 +233,7 @@ class GroundTruth:
         lo = b * self.block
         prompt = self.prompt[lo:lo + len(lengths)]
         if key[0] == "generation":
-            hit = self._generation(key, lengths, prompt, self.cap[lo:lo + len(lengths)])
+            hit = self._generation(key, b, lengths, prompt, self.cap[lo:lo + len(lengths)])
         else:
             hit = self._train_infer(key, lengths, prompt)
         if len(self._stage) > 50_000:
@@ -235,24 +241,63 @@ class GroundTruth:
         self._stage[(key, b)] = hit
         return hit
 
-    def _generation(self, key: tuple, lengths: np.ndarray, prompt: np.ndarray, cap: np.ndarray):
+    def _generation(self, key: tuple, b: int, lengths: np.ndarray, prompt: np.ndarray, cap: np.ndarray):
+        """Generation of block b under the KV budget of ``key``: the slowest replica per step. What
+        does not depend on the budget is shared by every budget of one (TP, PP, DP) on the block
+        (``_engine_block``): the closed form of each replica, and the event simulations that no
+        budget shaped (``engine.covers``); only the replicas this budget presses and no shared run
+        covers are simulated."""
         _, tp, pp, dp, kv = key
-        actor = self.job.model("actor")
         fits = kv >= prompt + cap
         t = np.full(len(lengths), math.inf)
         if fits.any():
             ck = (tp, pp)
             if ck not in self._coeffs:
-                self._coeffs[ck] = decode_coeffs(actor, tp, pp, self.tab, self.max_seqs)
+                self._coeffs[ck] = decode_coeffs(self.job.model("actor"), tp, pp, self.tab, self.max_seqs)
             a, beta = self._coeffs[ck]
-
-            def prefill(tokens, p):
-                return prefill_s(actor, tp, pp, tokens, p, self.tab)
-
-            idx = np.nonzero(fits)[0]
-            t[idx], _ = generation_times(lengths[idx], prompt[idx], dp, a, beta, kv, prefill, self.max_seqs)
+            eng = self._engine_block(tp, pp, dp, b, lengths, prompt, a, beta)
+            total = eng["total"].copy()
+            pressed = ((eng["peak"] > kv) | (eng["count"] > self.max_seqs)) & fits[:, None]
+            shared = pressed & eng["known"] & covers(kv, eng["held"], eng["asked"])
+            total[shared] = eng["clock"][shared]
+            idx = np.nonzero(pressed & ~shared)
+            if len(idx[0]):
+                reps = split_replicas(lengths, dp)[idx]
+                clock, _, held, asked = _simulate(reps, prompt[idx[0]].astype(float), a, beta, kv,
+                                                  self._prefill(tp, pp), self.max_seqs, demand=True)
+                total[idx] = clock
+                if held is not None:  # runs this budget did not shape: every budget that covers them shares them
+                    own = covers(kv, held, asked)
+                    at = tuple(x[own] for x in idx)
+                    eng["known"][at], eng["clock"][at], eng["held"][at], eng["asked"][at] = \
+                        True, clock[own], held[own], asked[own]
+            t[fits] = total[fits].max(axis=1)
         peak = np.full(len(lengths), self.cluster.gpu.memory_gib * GiB * self.engine_util)
         return t, fits, peak
+
+    def _prefill(self, tp: int, pp: int):
+        actor = self.job.model("actor")
+
+        def prefill(tokens, p):
+            return prefill_s(actor, tp, pp, tokens, p, self.tab)
+
+        return prefill
+
+    def _engine_block(self, tp: int, pp: int, dp: int, b: int, lengths, prompt, a, beta) -> dict[str, np.ndarray]:
+        """Per (TP, PP, DP) and block: every replica's closed form (``engine.closed_form``) and the
+        event simulations shared between KV budgets (``known`` where one is held)."""
+        key = (tp, pp, dp, b)
+        hit = self._engines.get(key) if self.share_engines else None
+        if hit is None:
+            total, peak, count = closed_form(lengths, prompt, dp, a, beta, self._prefill(tp, pp))
+            if len(self._engines) > 1024:  # a few MB each at DP 1,024
+                self._engines.clear()
+            hit = {"total": total, "peak": peak, "count": count, "known": np.zeros(total.shape, bool),
+                   "clock": np.zeros(total.shape), "held": np.zeros(total.shape, np.int64),
+                   "asked": np.zeros(total.shape)}
+            if self.share_engines:
+                self._engines[key] = hit
+        return hit
 
     def _train_infer(self, key: tuple, lengths: np.ndarray, prompt: np.ndarray):
         name, tp, pp, dp, mb, budget, sp, zero, recompute, span_inter, stage_inter = key
