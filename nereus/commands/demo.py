@@ -44,6 +44,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                        "with all)")
     p.add_argument("--repeats", type=pos_int, default=2,
                    help="runs of every policy, interleaved (default 2; the A/A spread needs 2 or more)")
+    p.add_argument("--schedule", choices=("sync", "one_step_off"), default="sync",
+                   help="sync (default: the policies above) or one_step_off: rollout and trainer on disjoint ranks, "
+                        "rollout of step k+1 beside training of step k, a real weight sync each step, the controller "
+                        "re-splitting the ranks online (one run; on 2 CPU cores it shows the mechanism, not a speed-up)")
+    p.add_argument("--rollout-ranks", type=pos_int, metavar="R",
+                   help="one_step_off: rollout ranks to start with (default: verl's 1 : 3 share, max(1, world / 4))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="out/demo", help="plot, audit logs and per-step records")
     p.add_argument("--json", metavar="OUT", help="write the measured figures as JSON")
@@ -61,8 +67,20 @@ def run(args: argparse.Namespace) -> int:
     if args.budgets and args.budget_mb:
         raise SpecError("give --budgets (multiples of the model state) or --budget-mb, not both")
     cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
-                     policy=args.policy, seed=args.seed, out_dir=args.out_dir, repeats=args.repeats)
-    out = run_demo(cfg, budgets=args.budgets)
+                     policy=args.policy, seed=args.seed, out_dir=args.out_dir, repeats=args.repeats,
+                     schedule=args.schedule, rollout_ranks=args.rollout_ranks)
+    if args.schedule == "one_step_off":
+        from nereus.demo.async_run import run_async_demo
+
+        if args.budgets:
+            raise SpecError("--schedule one_step_off runs one budget: give --budget-k or --budget-mb, not --budgets")
+        if args.rollout_ranks is not None and not 1 <= args.rollout_ranks < args.world:
+            raise SpecError(f"--rollout-ranks must be 1 to world - 1 ({args.world - 1}), got {args.rollout_ranks}")
+        out = run_async_demo(cfg)
+    elif args.rollout_ranks is not None:
+        raise SpecError("--rollout-ranks applies to --schedule one_step_off only")
+    else:
+        out = run_demo(cfg, budgets=args.budgets)
     if out is None:  # a torchrun rank other than 0: rank 0 prints and writes
         return 0
     write_json(args.json, out)

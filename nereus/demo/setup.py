@@ -87,6 +87,18 @@ class DemoConfig:
     fault: FaultSpec | None = None
     """A failure injected into every layout transition (tests): each must roll back, its record say
     ``verified: False``, and the run go on in the old layout."""
+    schedule: str = "sync"
+    """``sync`` (the policies above) or ``one_step_off``: rollout and training on disjoint ranks, one
+    step apart, a weight sync each step, re-split online (``async_run.py``)."""
+    rollout_ranks: int | None = None
+    """one_step_off: rollout ranks the run starts with (None: verl's 1 : 3 share of the world)."""
+    force_split: tuple[tuple[int, int], ...] = ()
+    """one_step_off, tests: (step, rollout ranks) re-splits made after those steps whatever a
+    controller would say (no controller runs then): the mechanism, apart from the controller's
+    judgement of timings on a shared machine."""
+    check_sync: bool = True
+    """one_step_off: after every weight sync, rank 0 compares the rollout's copy of the actor with the
+    trainer's bit for bit (a gather of the actor's params, outside the timed sync)."""
 
 
 POLICIES = ("adaptive", "static", "static+recompute", "model-hindsight")
