@@ -32,6 +32,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from nereus.demo.async_plan import (
+    TRAINER_STAGES,
+    rollout_ranks,
+    split_label,
+    trainer_ranks,
+)
 from nereus.demo.grpo import group_advantages
 from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
@@ -45,27 +51,6 @@ from nereus.executor.parallel import group_of
 from nereus.executor.store import ShardStore
 from nereus.executor.transport import DistTransport
 from nereus.planner.plan import Plan
-
-TRAINER_STAGES = ("actor/inference", "ref/inference", "actor/training")
-
-
-def rollout_ranks(plan: Plan) -> tuple[int, ...]:
-    return tuple(plan.stage("actor/generation").gpu_ids())
-
-
-def trainer_ranks(plan: Plan) -> tuple[int, ...]:
-    return tuple(sorted({g for name in TRAINER_STAGES for g in plan.stage(name).gpu_ids()}))
-
-
-def split_label(plan: Plan) -> str:
-    """``rollout 1 : trainer 3`` and each model-stage's layout with its ranks."""
-    parts = []
-    for name in ("actor/generation", "actor/training", "ref/inference"):
-        s = plan.stage(name)
-        c = s.config
-        parts.append(f"{name.split('/')[0][0]}{name.split('/')[1][0]}:tp{c.tp}dp{c.dp}@{s.first_gpu}"
-                     + (f"-{s.first_gpu + s.gpus - 1}" if s.gpus > 1 else ""))
-    return f"rollout {len(rollout_ranks(plan))} : trainer {len(trainer_ranks(plan))} (" + " ".join(parts) + ")"
 
 
 def _maxes(values: list[float]) -> list[float]:
@@ -140,7 +125,7 @@ class AsyncRun:
         self.controller = None
         self.params = params
         if rank == 0 and not cfg.force_split:
-            from nereus.demo.async_run import make_async_controller
+            from nereus.demo.async_plan import make_async_controller
 
             self.controller = make_async_controller(job, cluster, params, plan, cfg)
 
@@ -334,7 +319,7 @@ class AsyncRun:
     def _scripted(self, rec: dict):
         """``cfg.force_split`` (tests): after the listed steps, the fastest plan the planner finds
         with that many rollout ranks, whatever a controller would say."""
-        from nereus.demo.async_run import split_plan
+        from nereus.demo.async_plan import split_plan
 
         step = rec["step"]
         want = dict(self.cfg.force_split).get(step)

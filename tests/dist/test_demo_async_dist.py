@@ -15,12 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from nereus.demo.async_run import (
-    async_job,
-    run_one_step_off,
-    split_plan,
-    summarize_async,
-)
+from nereus.demo.async_plan import async_job, split_plan
+from nereus.demo.async_run import run_one_step_off, summarize_async
 from nereus.demo.setup import (
     DEMO_MODEL,
     DemoConfig,
