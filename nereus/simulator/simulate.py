@@ -454,10 +454,11 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
     done: dict[str, Any] = {}
     try:
         with mp.get_context("fork").Pool(len(groups)) as pool:
-            for rs, priced, stages in pool.imap_unordered(_forked_group, [g for g in groups if g]):
+            for rs, priced, stages, engines in pool.imap_unordered(_forked_group, [g for g in groups if g]):
                 done.update(rs)
                 gt.prices.merge(priced)  # the offline policies re-price the online ones' switches otherwise
                 gt.merge_stage_results(stages)  # and re-run the model-stages the online policies ran
+                gt.merge_engine_results(engines)  # and the engine runs other KV budgets of theirs share
     finally:
         _FORKED = ()
     return {n: done[n] for n in names}
@@ -468,9 +469,9 @@ _PICKS = "offline picks"
 its result is (plans, seconds)."""
 
 
-def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict]:
+def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict, dict]:
     """(each policy's result, the layout changes the truth priced in this process, the model-stage
-    blocks it computed)."""
+    blocks it computed, the generation work it can share between KV budgets)."""
     job, cluster, trace, gt, plans, kw = _FORKED
     out: list[tuple[str, Any]] = []
     for name in names:
@@ -483,7 +484,7 @@ def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, 
             out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
         except NereusError as e:
             out.append((name, _not_run(name, len(trace), str(e))))
-    return out, gt.prices.priced(), gt.stage_results()
+    return out, gt.prices.priced(), gt.stage_results(), gt.engine_results()
 
 
 def _bar(enabled: bool, total: int, desc: str):

@@ -140,3 +140,42 @@ def test_a_budget_that_holds_the_kv_but_not_the_admissions_room_shapes_the_run()
     differ = [_simulate(reps[i:i + 1], prompt[i:i + 1], _a(), 1e-7, float(kv[i]), _prefill, 24)[0][0] != free_clock[i]
               for i in range(len(reps))]
     assert sum(differ) >= len(reps) // 2
+
+
+def test_engine_work_handed_back_by_a_forked_worker_gives_the_same_numbers(trace, monkeypatch):
+    """A truth that takes another's engine work (``merge_engine_results``, as after the forked
+    online policies) scores every plan as a fresh truth does, simulating fewer replicas."""
+    rows = []
+
+    def counting(reps, *a, **k):
+        rows.append(len(reps))
+        return _simulate(reps, *a, **k)
+
+    monkeypatch.setattr(machine, "_simulate", counting)
+    plans = _plans()
+    alone = _matrix(_truth(trace), trace, plans)
+    fresh_rows = sum(rows)
+    gen = {i: _truth(trace)._info(p)["keys"]["actor/generation"] for i, p in enumerate(plans)}
+    # one engine under two budgets: the worker runs the roomy one, this process the tight one (whose
+    # runs that budget shaped are not shared), so the merge fills some replicas and leaves others
+    pairs = sorted(((i, j) for i in gen for j in gen if gen[i][:4] == gen[j][:4] and 0 < gen[i][4] < gen[j][4]),
+                   key=lambda ij: gen[ij[0]][4] / gen[ij[1]][4])
+    for tight, roomy in pairs:
+        worker, mine = _truth(trace), _truth(trace)
+        _matrix(worker, trace, [plans[roomy]])
+        _matrix(mine, trace, [plans[tight]])
+        theirs, ours = worker.engine_results(), mine.engine_results()
+        if any((theirs[k]["known"] & ~ours[k]["known"]).any() for k in set(theirs) & set(ours)):
+            break
+    else:
+        pytest.fail("no engine whose tight budget shaped runs the roomy one shares")
+    rows.clear()
+    mine.merge_engine_results(worker.engine_results())
+    for k, e in mine.engine_results().items():  # every run held is a real run (a replica's time is
+        assert (e["clock"][e["known"]] > 0).all()  # rarely the step's slowest, so check each)
+        w = worker.engine_results().get(k)
+        if w is not None:
+            assert (e["known"] >= w["known"]).all()
+            assert np.array_equal(e["clock"][w["known"]], w["clock"][w["known"]])
+    assert np.array_equal(_matrix(mine, trace, plans), alone)
+    assert sum(rows) < fresh_rows

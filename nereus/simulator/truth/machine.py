@@ -154,6 +154,24 @@ class GroundTruth:
         for k, v in done.items():
             self._stage.setdefault(k, v)
 
+    def engine_results(self) -> dict:
+        """The generation work shared between KV budgets so far (``_engine_block``), by (TP, PP, DP,
+        block): what a forked worker hands back with ``stage_results``."""
+        return dict(self._engines) if self.share_engines else {}
+
+    def merge_engine_results(self, done: dict) -> None:
+        """Take ``engine_results`` of a forked worker: its closed forms, and the event runs it held
+        that this process lacks (a run no budget shaped is the same wherever it ran)."""
+        for k, v in done.items():
+            mine = self._engines.get(k)
+            if mine is None:
+                self._engines[k] = v
+                continue
+            new = v["known"] & ~mine["known"]
+            for f in ("clock", "held", "asked"):
+                mine[f][new] = v[f][new]
+            mine["known"] |= new
+
     def lengths(self, step: int) -> np.ndarray:
         """The sampled response lengths of ``step`` (every policy sees the same)."""
         lengths, _ = self._block(step // self.block)
