@@ -13,7 +13,11 @@ process), and ``generation_events`` how many of its engine replicas needed the e
 (KV or slot pressure). Side by side in the same process, ``truth_unshared_s`` /
 ``generation_events_unshared``: the same on a truth whose engines that differ only in their KV
 budget share nothing (``GroundTruth(share_engines=False)``, the code before the sharing); the
-step times must be identical (the script fails otherwise).
+step times must be identical (the script fails otherwise). ``offline_scoring_s`` /
+``offline_scoring_unshared_s``: the same pair for what dominated the offline policies' time, the
+truth's step-time matrix of their candidates (``simulate.offline_candidates`` of the run, without
+the solver's extra picks, with every layout family at every GPU count, on the steps each is scored),
+one process, cold caches.
 
     .venv/bin/python benchmarks/simulate_batch_scaling.py --json benchmarks/results/simulate_batch_scaling.json
     .venv/bin/python benchmarks/simulate_batch_scaling.py --sizes 8192 --steps 100   # quicker
@@ -84,6 +88,28 @@ def truth_alone(job, cluster, trace, plans) -> dict:
     return {**out, "plans": len(plans), "identical_with_and_without_sharing": same}
 
 
+def offline_scoring(job, cluster, trace, results) -> dict:
+    """The offline policies' step-time matrix over their candidates, with and without shared engine
+    work, side by side (identical matrices, or the script fails)."""
+    from nereus.planner.online.plan_cache import scale_plan
+    from nereus.simulator import oracle
+    from nereus.simulator.simulate import offline_candidates
+
+    cands, _, used = offline_candidates(job, results, [], cluster.gpus_per_node)
+    gpus = np.array([r.gpus for r in trace.rows])
+    cands = oracle.complete_families(cands, sorted(set(gpus.tolist())), scale_plan)
+    steps = oracle.usable_steps(cands, gpus, used)
+    out, mats = {"offline_candidates": len(cands), "offline_cells": int(sum(len(x) for x in steps))}, {}
+    for tag, share in (("_unshared", False), ("", True)):
+        t0 = time.perf_counter()
+        gt = GroundTruth(job, cluster, trace, seed=0, share_engines=share)
+        mats[tag] = oracle.step_time_matrix(gt, cands, steps, len(trace))
+        out[f"offline_scoring{tag}_s"] = time.perf_counter() - t0
+    if not np.array_equal(mats[""], mats["_unshared"]):
+        raise SystemExit("the offline candidates' step times differ with and without shared engine runs")
+    return out
+
+
 def one(responses: int, steps: int | None, workers: int, cluster) -> dict:
     job, trace = job_and_trace(responses, steps)
     load0 = os.getloadavg()[0]
@@ -102,6 +128,8 @@ def one(responses: int, steps: int | None, workers: int, cluster) -> dict:
                               "transitions": r.to_dict()["transitions"], "ooms": r.to_dict()["ooms"]}
                           for k, r in res.items()}}
     row.update(truth_alone(job, cluster, trace, list(plans.values())))
+    row.update(offline_scoring(job, cluster, trace, list(res.values())))
+    row["load_average_end"] = os.getloadavg()[0]
     return row
 
 
@@ -122,8 +150,10 @@ def main(argv=None) -> int:
               f"{row['wall_s']:6.1f} s, CPU {row['cpu_s']:6.1f} s (load {row['load_average_before']:.1f} -> "
               f"{row['load_average_after']:.1f}); truth alone {row['truth_s']:5.1f} s on {row['plans']} plans "
               f"({row['generation_events']:,} engine replicas event-simulated), without shared engine runs "
-              f"{row['truth_unshared_s']:5.1f} s ({row['generation_events_unshared']:,}; identical step times)",
-              flush=True)
+              f"{row['truth_unshared_s']:5.1f} s ({row['generation_events_unshared']:,}; identical step times); "
+              f"offline candidates' matrix ({row['offline_candidates']} plans, {row['offline_cells']:,} cells) "
+              f"{row['offline_scoring_s']:5.1f} s, without shared engine runs {row['offline_scoring_unshared_s']:5.1f} s "
+              f"(identical; load at the end {row['load_average_end']:.1f})", flush=True)
     base = rows[0]
     for r in rows[1:]:
         x = r["responses_per_step"] / base["responses_per_step"]
