@@ -81,7 +81,7 @@ def step_table(d: dict) -> str:
             cells.append(f"{x['mean_step_s']:.1f}" + (f" ({', '.join(extra)})" if extra else ""))
         rows.append(f"| {r['job']} | {r['trace']} | " + " | ".join(cells) + " |")
     rows.append("")
-    rows += [f"- not run: {s['job']} / {s['trace']}: {s['why']}" for s in d.get("skipped", [])]
+    rows += list(dict.fromkeys(f"- not run: {s['job']} / {s['trace']}: {s['why']}" for s in d.get("skipped", [])))
     return "\n".join(rows)
 
 

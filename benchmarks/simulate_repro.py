@@ -139,7 +139,9 @@ def main(argv=None) -> int:
         redo = {(j, t) for t, _, _, jobs in RUNS if not args.only or t == args.only
                 for j in jobs if not args.jobs or j in args.jobs}
         out["runs"] = [r for r in out["runs"] if (r["job"], r["trace"]) not in redo]
-        out["skipped"] = [r for r in out["skipped"] if (r["job"], r["trace"]) not in redo]
+        redo |= {(j, t) for t in {t for t, _, _, _ in RUNS if not args.only or t == args.only} for j in JOBS
+                 if not args.jobs or j in args.jobs}
+        out["skipped"] = [r for r in out["skipped"] if (r["job"], r["trace"]) not in redo]  # re-listed below
     planned = {(t, j) for t, _, _, jobs in RUNS for j in jobs}
     for trace_name in dict.fromkeys(t for t, _, _, _ in RUNS):
         if args.only and trace_name != args.only:
