@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nereus.errors import SpecError
+from nereus.errors import NereusError, SpecError
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
-from nereus.planner.specs import ClusterSpec, JobSpec, Workload
+from nereus.planner.specs import TRAINABLE, ClusterSpec, JobSpec, Workload
 
 PLACEMENTS = ("any", "colocated", "disaggregated")
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE")
@@ -115,3 +115,34 @@ class PlanEvaluation:
     weight_sync_s: float
     peak_mem_gib: float
     capacity_gib: float
+
+
+# ---- the default transition cost ----------------------------------------------------------------
+# Transition cost used when ``PlanProblem.transition_cost`` is not given: the transition planner's
+# bandwidth bound (``nereus.planner.transition.build.transition_cost``), or, where it cannot size the move
+# (e.g. the plans span different GPU counts), bytes of every re-laid-out model state over the
+# scale-out bandwidth of the smaller of the two pools.
+def bytes_over_bandwidth(problem: PlanProblem, old: Plan, new: Plan) -> float:
+    c, p = problem.cluster, problem.params
+    bw = c.gpu.inter_node_gbps * 1e9 * p.inter_link_eff
+    total = 0.0
+    for role in problem.job.roles:
+        a, b = old.home(role), new.home(role)
+        if (a.first_gpu, a.gpus, a.config.tp, a.config.pp, a.config.dp, a.config.zero) == \
+           (b.first_gpu, b.gpus, b.config.tp, b.config.pp, b.config.dp, b.config.zero):
+            continue
+        nbytes = (16 if role in TRAINABLE else 2) * problem.job.model(role).num_params()
+        total += nbytes / (min(a.gpus, b.gpus) * bw)
+    return total
+
+
+def default_transition_cost(problem: PlanProblem) -> Callable[[Plan, Plan], float]:
+    def cost(old: Plan, new: Plan) -> float:
+        try:
+            from nereus.planner.transition.build import transition_cost
+
+            return float(transition_cost(old, new, problem.cluster, problem.job))
+        except (ImportError, NereusError):
+            return bytes_over_bandwidth(problem, old, new)
+
+    return cost

@@ -16,9 +16,8 @@ from nereus.planner.solver.candidates import Tables, build_tables, prune_by_boun
 from nereus.planner.solver.check import evaluate_plan
 from nereus.planner.solver.greedy import greedy
 from nereus.planner.solver.infeasible import explain_infeasible
-from nereus.planner.solver.problem import PlanConstraints, PlanProblem, PlanSolution
+from nereus.planner.solver.problem import PlanConstraints, PlanProblem, PlanSolution, default_transition_cost
 from nereus.planner.solver.structure import placement_skeleton
-from nereus.planner.solver.transition import default_transition_cost
 
 BACKENDS = ("cpsat", "pulp", "greedy", "brute")
 
