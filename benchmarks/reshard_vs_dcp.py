@@ -44,6 +44,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import resource
 import sys
 import tempfile
 import time
@@ -74,16 +76,32 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+CPU_S = [0.0]
+"""CPU seconds (user + system, every thread of every rank, summed over ranks) of the last
+``_timed`` call: on a machine with fewer cores than ranks, the work a method makes the machine
+do, less sensitive to other jobs' load than its wall time."""
+
+
+def _cpu_now() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def _timed(fn) -> float:
     _sync()
     dist.barrier()
+    c0 = _cpu_now()
     t0 = time.perf_counter()
     fn()
     _sync()
+    c1 = _cpu_now()
     dist.barrier()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=DEV[0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=DEV[0])
+    cpu = torch.tensor([c1 - c0], dtype=torch.float64, device=DEV[0])
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    CPU_S[0] = float(cpu)
+    return float(wall)
 
 
 def _dtensor_state(regions, placement, mesh, model):
@@ -257,11 +275,16 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
     variants = ("nereus", "nereus_rounds", "nereus_no_verify")
     times: dict[str, list[float]] = {k: [] for k in ("save", "load", "raw", "floor", "floor_messages", "alloc_fill",
                                                      *variants)}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+
+    def timed(key: str, fn) -> None:
+        times[key].append(_timed(fn))
+        cpu[key].append(CPU_S[0])
+
     report = bad_nereus = fresh = None
     for i in range(repeat):
         ckpt = f"{tmp}/rep{i}"
-        times["save"].append(_timed(lambda: dcp.save(_dtensor_state(dcp_a, a, mesh_a, model),
-                                                     checkpoint_id=ckpt)))
+        timed("save", lambda: dcp.save(_dtensor_state(dcp_a, a, mesh_a, model), checkpoint_id=ckpt))
         box_d: dict = {}
 
         def load():  # allocating B's tensors is part of the load, as it is part of a Nereus transition
@@ -269,7 +292,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                                              for r in regions_b], b, mesh_b, model)
             dcp.load(box_d["fresh"], checkpoint_id=ckpt)
 
-        times["load"].append(_timed(load))
+        timed("load", load)
         fresh = box_d["fresh"]
         dist.barrier()
         if rank == 0:
@@ -289,9 +312,9 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                 sums_mod.host_sums = sums_mod.checksums_of = lambda parts: [0] * len(parts)
                 sums_mod.device_hash = lambda t: torch.zeros((), dtype=torch.int64, device=t.device)
             try:
-                times[v].append(_timed(lambda: box.setdefault("r", apply_transition(
+                timed(v, lambda: box.setdefault("r", apply_transition(
                     store, tplan, rank, DistTransport(rank), timeout_s=300,
-                    staging_bytes=0 if v == "nereus_rounds" else apply_mod.STAGING_BYTES))))
+                    staging_bytes=0 if v == "nereus_rounds" else apply_mod.STAGING_BYTES)))
             finally:
                 for k, f in real.items():
                     setattr(sums_mod, k, f)
@@ -300,15 +323,15 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
                 bad_nereus = mismatches(store, job, 0)
                 dcp_equal = all(torch.equal(fresh[f"{r.tensor}.{r.kind}"].to_local(), t) for r, t in store.items())
             del store, box
-        times["raw"].append(_timed(raw))
-        times["floor"].append(_timed(floor))
-        times["floor_messages"].append(_timed(floor_messages))
+        timed("raw", raw)
+        timed("floor", floor)
+        timed("floor_messages", floor_messages)
 
         def alloc_fill():  # what materialising B in new memory costs any method, before any byte moves
             box_f["t"] = [torch.empty(r.lengths, dtype=TORCH_DTYPES[r.dtype], device=dev).fill_(1.0) for r in regions_b]
 
         box_f: dict = {}
-        times["alloc_fill"].append(_timed(alloc_fill))
+        timed("alloc_fill", alloc_fill)
         del box_f
     total = torch.tensor([store_a.nbytes()], dtype=torch.int64, device=dev)
     dist.all_reduce(total)
@@ -317,7 +340,7 @@ def bench_rank(rank: int, world: int, job, plan_a, plan_b, tplan, pair_bytes: di
             "exchanges": report.exchanges, "dcp_save_s": min(times["save"]),
             "dcp_load_s": min(times["load"]), "raw_p2p_s": min(times["raw"]), "floor_s": min(times["floor"]),
             "floor_messages_s": min(times["floor_messages"]), "alloc_fill_s": min(times["alloc_fill"]),
-            "all_times": times,
+            "all_times": times, "all_cpu": cpu,
             "nereus_mismatches": len(bad_nereus), "dcp_equal": dcp_equal, "bytes_sent": report.bytes_sent,
             "bytes_copied": report.bytes_copied, "bytes_staged": report.bytes_staged, "messages": report.messages,
             "nereus_first_s": first_s, "arena_reserve_s": reserve_s, "data_messages": len(posted["send"]),
@@ -400,10 +423,16 @@ def run_shape(name: str, arch: str, layers: int, hidden: int, precision: str, ar
            "nereus_bit_exact": all(o["nereus_mismatches"] == 0 for o in out),
            "dcp_bit_exact": all(o["dcp_equal"] for o in out), "world": world,
            "backend": "gloo (CPU)" if args.backend == "gloo" else "nccl (CUDA)",
-           "repeat": args.repeat, "all_times_s": r["all_times"],
+           "repeat": args.repeat, "all_times_s": r["all_times"], "all_cpu_s": r["all_cpu"],
+           "nereus_cpu_s_median": _med(r["all_cpu"]["nereus"]), "floor_cpu_s_median": _med(r["all_cpu"]["floor"][1:] or r["all_cpu"]["floor"]),
+           "nereus_over_floor_cpu_median": _med(r["all_cpu"]["nereus"]) / _med(r["all_cpu"]["floor"][1:] or r["all_cpu"]["floor"]),
            "nereus_phases_by_rank": [o["nereus_phases"] for o in out]}
     res["targets_met"] = {k: (res[k] >= v if k == "speedup_vs_dcp" else res[k] <= v) for k, v in TARGETS.items()}
     return res
+
+
+def _med(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
 
 
 def _median(times: dict, of: str, to: str = "floor") -> float:
@@ -432,7 +461,8 @@ def _print(res: dict) -> None:
     met = res["targets_met"]
     print(f"speedup vs DCP {res['speedup_vs_dcp']:.2f}x (goal >= 3x: {'met' if met['speedup_vs_dcp'] else 'MISSED'}); "
           f"Nereus / floor {res['nereus_over_floor']:.2f}x (goal <= 1.25x: {'met' if met['nereus_over_floor'] else 'MISSED'}"
-          f"; medians {res['nereus_over_floor_median']:.2f}x); first / warm {res['first_over_warm']:.2f}x "
+          f"; medians {res['nereus_over_floor_median']:.2f}x, CPU seconds {res['nereus_over_floor_cpu_median']:.2f}x); "
+          f"first / warm {res['first_over_warm']:.2f}x "
           f"(goal <= 1.5x: {'met' if met['first_over_warm'] else 'MISSED'}; arena reserved at start in "
           f"{res['arena_reserve_s']:.2f} s); bit-exact: Nereus {res['nereus_bit_exact']}, DCP {res['dcp_bit_exact']}")
 
@@ -480,13 +510,16 @@ def main(argv=None) -> int:
 
     results = []
     for name, (arch, layers, hidden, precision) in shapes.items():
+        load0 = os.getloadavg()
         res = run_shape(name, arch, layers, hidden, precision, args)
+        res["load_avg_1_5_15"] = {"start": list(load0), "end": list(os.getloadavg())}
         _print(res)
         results.append(res)
     print(f"\nchecksum: {'on-device hash' if args.backend == 'nccl' else 'XXH3-64 by ' + CHECKSUM_IMPL}; staging "
           f"budget {STAGING_BYTES >> 20} MiB; goals met on every shape: "
           + ", ".join(f"{k} {'yes' if all(r['targets_met'][k] for r in results) else 'NO'}" for k in TARGETS))
-    out = {**results[0], "checksum": CHECKSUM_IMPL if args.backend == "gloo" else "device_hash (torch ops on the GPU)",
+    out = {**results[0], "command": "python benchmarks/reshard_vs_dcp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "checksum": CHECKSUM_IMPL if args.backend == "gloo" else "device_hash (torch ops on the GPU)",
            "shapes": results, "targets": TARGETS,
            "targets_met_on_every_shape": {k: all(r["targets_met"][k] for r in results) for k in TARGETS}}
     if args.json:

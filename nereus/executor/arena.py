@@ -196,13 +196,15 @@ def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device,
 
 def scratch(numels: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Flat uninitialised buffers of ``numels`` elements each (64-byte aligned), carved from one
-    reusable host buffer; plain ``torch.empty`` on CUDA."""
+    reusable host buffer by one ``split_with_sizes`` (each buffer followed by its alignment pad);
+    plain ``torch.empty`` on CUDA."""
     if device.type != "cpu":
         return [torch.empty(n, dtype=dtype, device=device) for n in numels]
     size = dtype.itemsize
-    buf = _take(sum(_aligned(n * size) for n in numels))
-    out, pos = [], 0
+    sizes = []
     for n in numels:
-        out.append(buf[pos:pos + n * size].view(dtype))
-        pos += _aligned(n * size)
-    return out
+        sizes += (n, _aligned(n * size) // size - n)
+    buf = _take(sum(sizes) * size)
+    if not numels:
+        return []
+    return list(buf.view(dtype).split_with_sizes(sizes)[0::2])

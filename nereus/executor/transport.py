@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -143,20 +143,37 @@ class Transport(ABC):
 
     def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None,
                deadline: float | None = None) -> None:
-        """Wait for what ``start`` posted, message by message in order, all under one deadline
-        (``deadline``, a ``time.monotonic()`` value, else ``timeout_s`` from now): a peer that
-        sends each message just within ``timeout_s`` cannot stretch the exchange past it. As each
-        received message completes, ``on_arrival(i, buf)`` runs on it, a staged message is
-        scattered into its tensors, and ``landed(peer, parts)`` sees the submitted tensors it
-        filled, in order (their bytes still in cache); then the sends are waited for."""
+        """Wait for what ``start`` posted, all under one deadline (``deadline``, a
+        ``time.monotonic()`` value, else ``timeout_s`` from now): a peer that sends each message
+        just within ``timeout_s`` cannot stretch the exchange past it. As each received message
+        completes, ``on_arrival(i, buf)`` runs on it, a staged message is scattered into its
+        tensors, and ``landed(peer, parts)`` sees the submitted tensors it filled, in order (their
+        bytes still in cache); then the sends are waited for.
+
+        Each peer's messages are handled in their order; across peers, in the order they arrive
+        where the transport can tell (``_ready``: gloo), so a rank hashes what one peer sent while
+        another's bytes are still on the wire instead of waiting for them in peer order. Example:
+        messages [a0, a1, b0] from peers a and b, b0 landed first: b0, then a0, a1."""
         if pending is None:
             return
         deadline = time.monotonic() + timeout_s if deadline is None else deadline
-        for i, handle in enumerate(pending.recv_handles):
-            t0 = time.perf_counter()
-            self._wait(handle, self._left(deadline, timeout_s))
-            self.wire_s += time.perf_counter() - t0
-            peer, buf = pending.recvs[i]
+        heads: dict[int, deque] = {}
+        for i, (peer, _) in enumerate(pending.recvs):
+            heads.setdefault(peer, deque()).append(i)
+        handles = pending.recv_handles
+        while heads:
+            peer = next((p for p, q in heads.items() if self._ready(handles[q[0]])), None)
+            if peer is None:  # nothing has landed: wait for the earliest posted of the next ones
+                peer = min(heads, key=lambda p: heads[p][0])
+                t0 = time.perf_counter()
+                self._wait(handles[heads[peer][0]], self._left(deadline, timeout_s))
+                self.wire_s += time.perf_counter() - t0
+            else:
+                self._wait(handles[heads[peer][0]], self._left(deadline, timeout_s))  # done: raises a failure
+            i = heads[peer].popleft()
+            if not heads[peer]:
+                del heads[peer]
+            buf = pending.recvs[i][1]
             if on_arrival is not None:
                 on_arrival(i, buf)
             if pending.staged[i] is not None:
@@ -166,6 +183,11 @@ class Transport(ABC):
         t0 = time.perf_counter()
         self._wait(pending.send_handles, self._left(deadline, timeout_s))
         self.wire_s += time.perf_counter() - t0
+
+    def _ready(self, handles: list) -> bool:
+        """Whether a message's receive has completed (checked without waiting); False where the
+        transport cannot tell, which keeps the posted order."""
+        return False
 
     def _left(self, deadline: float, timeout_s: float) -> float:
         left = deadline - time.monotonic()
@@ -311,6 +333,11 @@ class DistTransport(Transport):
             return [post([buf], self._group_rank[peer], self.tag) for peer, buf in items]
         except RuntimeError as e:
             raise self._failed("point-to-point exchange", e) from e
+
+    def _ready(self, works: list) -> bool:
+        """gloo: every work of the message completed (``is_completed`` does not block). NCCL keeps
+        the posted order (its works complete on the device stream)."""
+        return self.streaming and all(w.is_completed() for w in works)
 
     def _post_recvs(self, recvs: list) -> list:  # streaming (gloo) only: NCCL posts through _post_together
         return [[w] for w in self._direct(self._pg.recv, recvs)]

@@ -127,10 +127,12 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
         src_t = [store.held(outer) for outer, _, _ in rec.sources]
     dst_t = [new.tensors[r] for r in rec.fresh]
     geo = _geometry(rec, src_t, dst_t)
+    record = not rec.cover_checked  # the pieces each new region gets: read by the cover check alone
     filled = [[] for _ in rec.fresh]
     items: dict[int, list[tuple]] = defaultdict(list)
     staged = [0] * rec.rounds
     src_views: list[torch.Tensor | None] = [None] * len(src_t)
+    dst_at = [t.storage_offset() for t in dst_t]
     g_src, g_dst, g_dense = geo.src, geo.dst, geo.dense
     for k, (rnd, what, peer, n, region, s, h) in enumerate(rec.ops):
         if s >= 0:
@@ -138,11 +140,14 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
             if v is None:
                 v = src_views[s] = view_of(src_t[s], g_src[s])
         if h >= 0:
-            filled[h].append(region)
+            if record:
+                filled[h].append(region)
+            g = g_dst[k]
+            w = dst_t[h] if g is None else dst_t[h].as_strided(g[0], g[1], dst_at[h] + g[2])
             if what == "copy":
-                items[rnd].append(("copy", v, view_of(dst_t[h], g_dst[k]), n, region))
+                items[rnd].append(("copy", v, w, n, region))
                 continue
-            v = view_of(dst_t[h], g_dst[k])
+            v = w
         items[rnd].append((what, peer, v, n, region))
         if n < bucket_bytes or not g_dense[k]:
             staged[rnd] += n
