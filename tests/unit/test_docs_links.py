@@ -48,7 +48,7 @@ def links(text: str) -> list[str]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-    h = re.sub(r"[`*_]", "", heading.strip().lower())
+    h = re.sub(r"[`*]", "", heading.strip().lower())  # underscores stay, as on GitHub (`one_step_off`)
     h = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", h)
     h = re.sub(r"[^\w\- ]", "", h)
     return h.replace(" ", "-")
