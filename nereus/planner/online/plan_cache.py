@@ -5,9 +5,10 @@ its pools scaled to the GPU count (static: DP follows the GPUs), colocated with 
 disaggregated fixed pools with fixed TP (OpenRLHF-like). Inside a rule the solver still picks the
 non-layout knobs (micro-batch, recompute, ZeRO stage, KV budget / waves), as a real job would.
 
-``PlanCache.best`` solves once per key (rule, GPU count, workload bucket, calibration bucket, and the
-anchor plan for "keep the current layout" queries) and remembers infeasibility too, so the steady
-state of a run costs dictionary look-ups, not solves.
+``PlanCache.best`` solves once per key (rule, GPU count, workload bucket, calibration bucket and the
+parameters it gives, memory reserve, and the anchor plan for "keep the current layout" queries; a pure
+function of its key, so policies that share one cache decide as they would alone) and remembers
+infeasibility too, so the steady state of a run costs dictionary look-ups, not solves.
 """
 from __future__ import annotations
 
@@ -149,12 +150,18 @@ class PlanCache:
 
     def best(self, rule: LayoutRule, w: Workload, gpus: int, params: CostParams, calib_key: tuple = (),
              hint: Plan | None = None, reserve_gib: float = 0.0) -> Plan | None:
-        """Fastest plan under ``rule`` for ``w`` on ``gpus`` GPUs (None when infeasible), cached."""
-        key = (rule.key(), gpus, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, calib_key,
-               reserve_gib)
+        """Fastest plan under ``rule`` for ``w`` on ``gpus`` GPUs (None when infeasible), cached.
+
+        The answer is a pure function of the key (every input the solve reads), so controllers that
+        share this cache (the policies of one ``simulate()`` call) get the plan each would have solved
+        alone, whoever asked first. ``hint`` (the asker's current plan) is therefore not handed to the
+        solver: it is not in the key, and a step-time solve does not read it (only a transition-aware
+        one, ``amortize_steps`` > 0, would, which this cache never asks for)."""
+        key = (rule.key(), gpus, w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max,
+               w.response_len_p90, calib_key, params, reserve_gib)
         if key in self._plans:
             return self._plans[key]
-        plan = self._solve(rule, w, gpus, params, hint, reserve_gib)
+        plan = self._solve(rule, w, gpus, params, None, reserve_gib)
         self._plans[key] = plan
         return plan
 
