@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 from nereus.planner.online.controller import Controller, StepMetrics
-from nereus.planner.online.library import Candidate, gen_tp
-from nereus.planner.online.plan_cache import LayoutRule, PlanCache
+from nereus.planner.online.library import Candidate, frugal_variants, gen_tp
+from nereus.planner.online.plan_cache import LayoutRule, PlanCache, scale_plan
 from nereus.planner.online.reserve import MemoryReserves
 
 from controller_env import env  # noqa: F401 - the scenario's module fixture
@@ -168,3 +168,58 @@ def test_every_rule_asks_the_solver_with_the_calibrated_parameters(env):
         ctl.step(_metrics(env, s, ctl.plan, scale={ms.name: 2.0 for ms in ctl.plan.stages}))
     assert any(abs(p.factor("training") - 1.0) > 0.05 or abs(p.factor("generation") - 1.0) > 0.05 for p in asked), \
         [(p.factor("training"), p.factor("generation")) for p in asked]
+
+
+class _NoRoom:
+    """The scenario's plan cache, except that the solver finds nothing once it is asked with a memory
+    reserve (as for grpo-70b at 256 GPUs under a 38 GiB common reserve)."""
+
+    def __init__(self, plans: PlanCache) -> None:
+        self._plans = plans
+
+    def __getattr__(self, name):
+        return getattr(self._plans, name)
+
+    def best(self, rule, w, gpus, params, calib_key=(), hint=None, reserve_gib=0.0):
+        return None if reserve_gib > 0 else self._plans.best(rule, w, gpus, params, calib_key, hint, reserve_gib)
+
+
+def test_more_gpus_under_a_large_shared_reserve_the_current_plan_rescaled_is_a_candidate(env):
+    """The grpo-70b dead end (issue 29 item 1, SIMULATED ramp_1024): the plan that runs measured a large
+    underestimate, which holds the common reserve up and condemns every plan never run; the solver,
+    asked with that reserve, finds nothing; then the cluster doubles. Before, the library held no plan
+    for the new GPU count predicted to fit and the controller stayed on half the GPUs ("no alternative
+    plan predicted to fit", 250 steps there). Now the current plan rescaled to the GPUs granted (its
+    layout and knobs, DP doubled: no more memory per GPU) is a candidate, judged by the current plan's
+    own measurement, and the controller moves to it."""
+    ctl = Controller(env.job, env.cluster, transition_cost_fn=_const(5.0), horizon=50, plans=_NoRoom(env.plans),
+                     build_transition=False, initial_gpus=16)
+    first = ctl.plan = frugal_variants(ctl.plan, env.job, env.cluster.gpus_per_node)[0]  # room to measure in
+    ctl._library = {first.key(): (first, "initial")}
+    usable = env.cluster.gpu.usable_bytes / 2**30
+    d = None
+    for s in range(10):
+        g = 16 if s < 5 else 32
+        m = _metrics(env, s, ctl.plan, gpus=g)
+        d = ctl.step(StepMetrics(step=s, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                                 stage_times=m.stage_times, gpus_available=g, peak_mem_gib=usable - 2.0))
+        if s < 5:
+            assert d.action == "stay" and ctl.plan is first, d.reason
+        elif d.action == "switch":
+            break
+    assert ctl.memory.common_gib >= usable / 4  # every plan never run is judged by that
+    assert d.action == "switch" and d.plan.num_gpus == 32, d.reason
+    assert "[rescaled]" in d.reason and d.feasible, d.reason
+    assert d.plan == scale_plan(first, 32)
+
+def test_a_rescaled_plan_inherits_the_measurement_only_of_a_plan_that_never_ran_out_of_memory():
+    """Unit (``MemoryReserves.inherit``): the child is judged by the parent's own underestimate; a
+    parent that ran out of memory passes nothing on (it is judged by the shared reserves itself)."""
+    r = MemoryReserves(usable_gib=78.0, quantum_gib=1.0)
+    r.ran(("p",), {"actor/training": 40.0}, 70.0)  # 30 GiB measured underestimate
+    assert r.common_gib == 30.0
+    assert r.judge(("c",), ["actor/training"])[0] == 30.0
+    assert r.inherit(("c",), ("p",)) and r.judge(("c",), ["actor/training"]) == (30.0, {})
+    r.oom(("q",), {"actor/training": 70.0}, "actor/training", judged_fit=True)
+    assert not r.inherit(("d",), ("q",)) and ("d",) not in r.measured
+

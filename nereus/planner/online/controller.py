@@ -35,7 +35,10 @@ Candidates come from the plan solver for the forecast workload, cached by worklo
 (log-spaced response-length buckets, GPU count, cap, quantized calibration, the memory reserve on a
 grid of 4 memory quanta, 4 GiB on a large GPU): a step whose bucket is cached does not re-solve and costs a few milliseconds; a re-solve
 is warm-started from the current plan. Besides the fastest plan, the solver is asked for the best
-plan with the current plan's pools and TP/PP kept (cheap to reach: only DP-internal knobs change),
+plan with the current plan's pools and TP/PP kept (cheap to reach: only DP-internal knobs change);
+when more GPUs are granted than the current plan uses, the current plan itself rescaled (DP scaled,
+judged by its own measurement: ``CandidateLibrary._add_rescaled``), which the solver, planning with
+the shared memory reserves, may not offer;
 and the fastest plan comes with its other generation TPs (scored with the learned corrections,
 which the solver's stage-level factors cannot express). Every candidate is scored by saving x
 horizon - transition cost, so a slightly slower plan that is much cheaper to reach can win; the

@@ -169,6 +169,22 @@ class CandidateLibrary:
                         self._add(q, "gen-tp")
         return p
 
+    def _add_rescaled(self) -> None:
+        """The current plan on all the GPUs granted: its layout and knobs, DP scaled (``scale_plan``),
+        as static does. Not left to the solver (which plans with the shared memory reserves and may
+        find nothing): per GPU it holds no more than the current plan, so the current plan's own
+        measurement judges it (``MemoryReserves.inherit``), and where the current plan ran at the
+        cap so did it (``_ran_ok``). Without it, SIMULATED grpo-70b ramp_1024: a plan that ran under a
+        common reserve of 36-38 GiB (held up by its own measured underestimates) stayed on 128 of 256
+        GPUs for 250 steps, as the solver, asked with that reserve, found nothing for 256."""
+        p = scale_plan(self.plan, self.gpus)
+        if p is None or p.key() == self.plan.key():
+            return
+        if self.memory.inherit(p.key(), self.plan.key()) and (ev := self._ran_ok.get(self.plan.key())) is not None:
+            self._ran_ok.setdefault(p.key(), ev)
+        if p.key() not in self._library:
+            self._add(p, "rescaled")
+
     def _add(self, p: Plan, origin: str) -> None:
         """Into the library (most recent last). Room is made by the oldest plan that is not the
         current one, not the fastest of its generation TP at the last scoring, and not the last of
@@ -215,6 +231,8 @@ class CandidateLibrary:
             if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
                 # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
                 self._ask("keep-layout", keep_layout(self.plan, self.rule), ws[len(ws) // 2])
+        if self.plan.num_gpus < self.gpus:
+            self._add_rescaled()
         cur = self.plan.key()
         cur_s = self._cur_horizon_s
         out = []

@@ -163,6 +163,16 @@ class MemoryReserves:
             if r is not None:
                 r.decay_toward(ceiling - p - self.common_gib, self.quantum, self.decay)
 
+    def inherit(self, child: tuple, parent: tuple) -> bool:
+        """Plan ``child`` holds per GPU no more than plan ``parent`` (the same layout and knobs, DP
+        scaled up: ZeRO shards and per-rank batches only shrink): it is judged by ``parent``'s own
+        measured underestimate, as long as ``parent`` never ran out of memory. Returns whether it was."""
+        own = self.measured.get(parent)
+        if own is None or parent in self.struck or child in self.struck:
+            return False
+        self.measured[child] = max(self.measured.get(child, 0.0), own)
+        return True
+
     def hungrier(self, key: tuple, peaks: Mapping[str, float]) -> bool:
         """Whether plan ``key``, never run, is predicted at least as hungry (GiB) in a model-stage as
         a config that ran out of memory there (``floor``; any config: need grows with the predicted
