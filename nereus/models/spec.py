@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -166,8 +167,7 @@ class ModelSpec:
     @property
     def dense_layers(self) -> tuple[int, ...]:
         """Blocks with a dense SwiGLU MLP of width ``ffn``."""
-        sparse = set(self.moe_layers)
-        return tuple(i for i in range(self.layers) if i not in sparse)
+        return _dense_layers(self.layers, self.moe_layers)
 
     @property
     def qk_nope_head_dim(self) -> int:
@@ -254,7 +254,7 @@ class ModelSpec:
     def matmul_params(self) -> int:
         """Parameters one token multiplies with (excludes the embedding lookup; only the active
         experts): the 2N of FLOPs."""
-        return self._blocks(self._moe_mlp(self.experts_per_token)) + self.vocab * self.hidden
+        return _matmul_params(self)
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token over all layers: 2 * L * g * d * bytes; MLA caches the latent,
@@ -389,3 +389,14 @@ def load_model(ref: str | Mapping[str, Any], base_dir: Path | None = None) -> Mo
             return preset(ref["preset"])
         return ModelSpec.from_dict(ref)
     raise SpecError(f"model reference must be a preset name or a mapping, got {type(ref).__name__}")
+
+
+@lru_cache(maxsize=256)
+def _dense_layers(layers: int, moe_layers: tuple[int, ...]) -> tuple[int, ...]:
+    sparse = set(moe_layers)
+    return tuple(i for i in range(layers) if i not in sparse)
+
+
+@lru_cache(maxsize=256)
+def _matmul_params(model: "ModelSpec") -> int:
+    return model._blocks(model._moe_mlp(model.experts_per_token)) + model.vocab * model.hidden

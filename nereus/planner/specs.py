@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from nereus.errors import SpecError
-from nereus.jsonio import check_keys, naming, one_line, read_text
+from nereus.jsonio import MAX_WHOLE as _MAX_WHOLE, check_keys, naming, one_line, read_text
 from nereus.models.spec import ModelSpec, load_model
 from nereus.planner.cluster import GPU_PRESETS, MAX_GPUS, ClusterSpec, GPUSpec, _positive  # noqa: F401 (re-exported)
 from nereus.planner.schedules import ScheduleSpec
@@ -334,9 +334,18 @@ class ParallelConfig:
     GEMMs split over ``etp`` ranks; 1 keeps experts whole. See ``ep``."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch", "sp", "cp", "ep", "etp"):
-            _positive("parallel config", f, getattr(self, f))
-        _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
+        tp, pp, dp, sp, cp, ep, etp = self.tp, self.pp, self.dp, self.sp, self.cp, self.ep, self.etp
+        mb, tb = self.micro_batch, self.token_budget
+        # fast path (the option tables build thousands): plain ints in range pass ``_positive`` as is
+        if not (type(tp) is type(pp) is type(dp) is type(mb) is type(sp) is type(cp) is type(ep) is type(etp)
+                is type(tb) is int and min(tp, pp, dp, mb, sp, cp, ep, etp) > 0 and tb >= 0
+                and max(tp, pp, dp, mb, sp, cp, ep, etp, tb) <= _MAX_WHOLE):
+            for f in ("tp", "pp", "dp", "micro_batch", "sp", "cp", "ep", "etp"):
+                _positive("parallel config", f, getattr(self, f))
+            _positive("parallel config", "token_budget", self.token_budget, allow_zero=True)
+        if type(self.zero) is int and 0 <= self.zero <= 3 and type(self.recompute) is bool \
+                and not dp % sp and not dp % cp and (sp == 1 or cp == 1) and not (tp * dp) % (ep * etp):
+            return
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int):
             raise SpecError(f"parallel config: zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.recompute, bool):

@@ -3,6 +3,7 @@ ZeRO stage, KV bytes per token, and the KV budget a rollout engine gets."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.params import CostParams
@@ -12,6 +13,7 @@ GiB = 1024**3
 
 
 # ---- sizes -------------------------------------------------------------------------------------
+@lru_cache(maxsize=8192)  # a pure function of hashable inputs; the option tables ask it thousands of times
 def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm", expert_shards: int | None = None) -> float:
     """Parameters held by one GPU of the most loaded pipeline stage (KV projections replicate
     when tp exceeds kv_heads; the embedding sits on the first stage, the LM head on the last).

@@ -1,0 +1,95 @@
+"""Option-table and cold-solve CPU time of the 8B PPO job at 1,024 GPUs, two checkouts side by side.
+
+Each measurement runs in a fresh subprocess of the checkout (its own imports, a cold start: the
+option tables and memoised estimates cleared, solver libraries imported before the clock starts),
+alternating before / after so load drifts hit both. CPU time is ``time.process_time`` of this
+process plus its children (CBC is not used: backend cpsat). Prints JSON; --json writes it too.
+
+    .venv/bin/python benchmarks/table_speed.py --before /tmp/wt-before [--after .] [--runs 5] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, os, resource, sys, time
+from pathlib import Path
+root = Path(sys.argv[1])
+sys.path.insert(0, str(root))
+from nereus.planner.solver import PlanProblem, solve, candidates
+from nereus.planner.solver.candidates import _build_tables_cached, build_tables
+from nereus.planner.specs import load_cluster, load_job
+import ortools.sat.python.cp_model  # noqa: F401  (imported before the clock, as plan_scaling does)
+job = load_job(root / "examples/ppo-8b.yaml")
+cluster = load_cluster(root / "examples/cluster-h100-1n.yaml").with_gpus(1024)
+problem = PlanProblem(job=job, cluster=cluster, workload=job.workload())
+def cold():
+    _build_tables_cached.cache_clear(); candidates._estimates.clear()
+def cpu():
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + c.ru_utime + c.ru_stime
+cold(); t0 = cpu(); w0 = time.perf_counter()
+tables = build_tables(problem)
+tables_cpu, tables_wall = cpu() - t0, time.perf_counter() - w0
+cold(); t0 = cpu()
+sol = solve(problem, backend="cpsat", time_limit_s=60.0, workers=1, seed=0)
+solve_cpu = cpu() - t0
+print(json.dumps({"tables_cpu_s": tables_cpu, "tables_wall_s": tables_wall, "solve_cpu_s": solve_cpu,
+                  "solve_wall_s": sol.wall_s, "objective": sol.objective, "status": sol.status,
+                  "options": sum(len(o) for o in tables.options)}))
+"""
+
+
+def one(checkout: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(checkout)], capture_output=True, text=True, env=env,
+                         check=True, cwd=checkout).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def summary(rows: list[dict]) -> dict:
+    keys = ("tables_cpu_s", "tables_wall_s", "solve_cpu_s", "solve_wall_s")
+    return {k: {"median": statistics.median(r[k] for r in rows), "min": min(r[k] for r in rows),
+                "max": max(r[k] for r in rows)} for k in keys}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", type=Path, required=True)
+    ap.add_argument("--after", type=Path, default=ROOT)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    load = [os.getloadavg()]
+    runs = {"before": [], "after": []}
+    for _ in range(a.runs):
+        for name, path in (("before", a.before), ("after", a.after)):
+            runs[name].append(one(path.resolve()))
+            load.append(os.getloadavg())
+    objs = {name: sorted({r["objective"] for r in rs}) for name, rs in runs.items()}
+    res = {"job": "examples/ppo-8b.yaml", "gpus": 1024, "backend": "cpsat", "workers": 1, "runs": a.runs,
+           "before_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.before, capture_output=True,
+                                           text=True).stdout.strip(),
+           "after_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.after, capture_output=True,
+                                          text=True).stdout.strip(),
+           "load_avg_1_5_15": {"min_1m": min(x[0] for x in load), "max_1m": max(x[0] for x in load),
+                               "start": load[0], "end": load[-1]},
+           "objectives_identical": objs["before"] == objs["after"], "objectives": objs,
+           "before": summary(runs["before"]), "after": summary(runs["after"]), "rows": runs}
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
