@@ -397,6 +397,24 @@ def _dense_layers(layers: int, moe_layers: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i not in sparse)
 
 
-@lru_cache(maxsize=256)
+_DERIVED: dict[tuple, tuple] = {}
+
+
+def derived(model: "ModelSpec", key: tuple, fn):
+    """``fn()``, remembered per model instance and ``key``: a ModelSpec is frozen (its fields never
+    change), so a size derived from it is too. Keyed by identity (hashing a spec with a long
+    ``moe_layers`` costs more than most sizes); the entry holds the model, so its id is not reused."""
+    k = (id(model), *key)
+    hit = _DERIVED.get(k)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    if len(_DERIVED) > 16384:
+        _DERIVED.clear()
+    v = fn()
+    _DERIVED[k] = (model, v)
+    return v
+
+
 def _matmul_params(model: "ModelSpec") -> int:
-    return model._blocks(model._moe_mlp(model.experts_per_token)) + model.vocab * model.hidden
+    return derived(model, ("matmul_params",),
+                   lambda: model._blocks(model._moe_mlp(model.experts_per_token)) + model.vocab * model.hidden)

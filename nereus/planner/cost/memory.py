@@ -3,9 +3,8 @@ ZeRO stage, KV bytes per token, and the KV budget a rollout engine gets."""
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
-from nereus.models.spec import ModelSpec
+from nereus.models.spec import ModelSpec, derived
 from nereus.planner.cost.params import CostParams
 from nereus.planner.specs import ClusterSpec, JobSpec
 
@@ -13,13 +12,18 @@ GiB = 1024**3
 
 
 # ---- sizes -------------------------------------------------------------------------------------
-@lru_cache(maxsize=8192)  # a pure function of hashable inputs; the option tables ask it thousands of times
 def params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str = "lm", expert_shards: int | None = None) -> float:
     """Parameters held by one GPU of the most loaded pipeline stage (KV projections replicate
     when tp exceeds kv_heads; the embedding sits on the first stage, the LM head on the last).
     A mixture-of-experts (or latent-attention) model is counted block by block, every expert
     included, its routed experts spread over ``expert_shards`` ranks (default tp: a rollout
-    engine's layout; training passes ep * etp): ``moe.stage_params``."""
+    engine's layout; training passes ep * etp): ``moe.stage_params``. Remembered per model (the
+    option tables ask it thousands of times)."""
+    return derived(model, ("params_per_gpu", tp, pp, head, expert_shards),
+                   lambda: _params_per_gpu(model, tp, pp, head, expert_shards))
+
+
+def _params_per_gpu(model: ModelSpec, tp: int, pp: int, head: str, expert_shards: int | None) -> float:
     if model.is_moe or model.is_mla:
         from nereus.planner.cost.moe import stage_params
 

@@ -213,7 +213,11 @@ class CostParams:
                 raise SpecError(f"cost params: {f} must be in (0, 1], got {getattr(self, f)}")
 
     def factor(self, stage: str) -> float:
-        return dict(self.stage_factor).get(stage, 1.0)
+        out = 1.0  # dict(self.stage_factor).get(stage, 1.0), without building the dict: the last pair wins
+        for s, f in self.stage_factor:
+            if s == stage:
+                out = f
+        return out
 
     def iteration_overhead_s(self, engine: str, batch: float) -> float:
         """Per-iteration overhead of ``engine`` running ``batch`` sequences."""
