@@ -143,3 +143,13 @@ def solve_pulp(m: LinModel, time_limit_s: float, workers: int, seed: int):
     obj = pulp.value(prob.objective)
     bound = obj if name == "OPTIMAL" else math.nan
     return name, value, bound, obj
+
+
+def solve_formulation(form, backend: str, time_limit_s: float, workers: int, seed: int,
+                      deterministic: bool = False):
+    """(status, value, bound) of a built ``Formulation`` on ``backend`` ("cpsat" or "pulp")."""
+    if backend == "cpsat":
+        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed, deterministic)
+    else:
+        status, value, bound, _ = solve_pulp(form.m, time_limit_s, workers, seed)
+    return status, value, bound

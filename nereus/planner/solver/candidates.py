@@ -300,7 +300,7 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
     """Generation at each KV budget level up to the first that holds the peak KV demand: a larger
     pool runs the same decode and takes longer to create again at every wake-up
     (``engine_wake_s``), so the smallest sufficient level dominates the ones above it."""
-    j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
+    j, c, p = problem.job, problem.cluster, problem.params
     est = _Estimator(problem)
     model = j.model("actor")
     out: list[Option] = []

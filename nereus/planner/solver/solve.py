@@ -16,7 +16,7 @@ from nereus.planner.solver.candidates import Tables, build_tables, prune_by_boun
 from nereus.planner.solver.check import evaluate_plan
 from nereus.planner.solver.greedy import greedy
 from nereus.planner.solver.infeasible import explain_infeasible
-from nereus.planner.solver.problem import PlanConstraints, PlanProblem, PlanSolution, default_transition_cost
+from nereus.planner.solver.problem import PlanProblem, PlanSolution, default_transition_cost
 from nereus.planner.solver.structure import placement_skeleton
 
 BACKENDS = ("cpsat", "pulp", "greedy", "brute")
@@ -52,14 +52,9 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     form = Formulation(problem, t)
     if hint is not None:
         form.set_hint(hint[1])
-    if backend == "cpsat":
-        from nereus.planner.solver.backends import solve_cpsat
+    from nereus.planner.solver.backends import solve_formulation
 
-        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed, deterministic)
-    else:
-        from nereus.planner.solver.backends import solve_pulp
-
-        status, value, bound, _ = solve_pulp(form.m, time_limit_s, workers, seed)
+    status, value, bound = solve_formulation(form, backend, time_limit_s, workers, seed, deterministic)
     if value is None:
         if status == "INFEASIBLE":
             return "INFEASIBLE", None, math.inf

@@ -172,14 +172,9 @@ def _solve_one(problem: PlanProblem, t: Tables, hint, upper: float, backend: str
         form.add_cutoff(upper * (1 + CUTOFF_SLACK))
     if hint is not None:
         form.set_hint(hint[1])
-    if backend == "cpsat":
-        from nereus.planner.solver.backends import solve_cpsat
+    from nereus.planner.solver.backends import solve_formulation
 
-        status, value, bound, _ = solve_cpsat(form.m, form.t_hi, time_limit_s, workers, seed, deterministic)
-    else:
-        from nereus.planner.solver.backends import solve_pulp
-
-        status, value, bound, _ = solve_pulp(form.m, time_limit_s, workers, seed)
+    status, value, bound = solve_formulation(form, backend, time_limit_s, workers, seed, deterministic)
     if value is None:
         return status, None, math.nan
     return status, form.assignment(value), bound
