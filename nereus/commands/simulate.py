@@ -5,7 +5,7 @@ import argparse
 import contextlib
 import math
 
-from nereus.commands.common import (add_job_cluster, console, load_specs, pos_float, pos_int, save_figure,
+from nereus.commands.common import (add_job_cluster, console, load_specs, nonneg_int, pos_float, pos_int, save_figure,
                                     write_json)
 from nereus.jsonio import atomic_path
 
@@ -21,16 +21,6 @@ def nonneg_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 (or inf), got {text!r}") from None
     if math.isnan(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
