@@ -2,19 +2,17 @@
 bookkeeping derived the first time, and never a recipe made for another plan, another rank, or
 tensors laid out with other strides. Each case would commit wrong bytes, or derive everything
 again, if the cache were wrong (threads over the mock transport, as in test_executor_merge.py)."""
-import threading
 from dataclasses import replace
 
 import pytest
 
 import nereus.executor.reshard.pieces as pieces_mod
-from nereus.executor.apply import apply_transition
 from nereus.executor.reshard import recipe as recipe_mod
 from nereus.executor.scenario import init_store, local_cluster, make_plan, mismatches, restrict, tiny_job
 from nereus.executor.store import ShardStore
-from nereus.executor.transport import MockHub, MockTransport
 from nereus.models.spec import preset
 from nereus.planner.transition.build import plan_transition
+from test_executor_verify import _run
 
 JOB = tiny_job(preset("tiny-4l-128h"))
 A = make_plan(tp=4)
@@ -60,20 +58,7 @@ def _stores(relayout: bool = False, plan=A) -> list[ShardStore]:
 
 
 def _apply(stores, tplan) -> list:
-    hub = MockHub(4)
-    out: list = [None] * 4
-
-    def run(r):
-        try:
-            out[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub), timeout_s=20)
-        except Exception as e:  # noqa: BLE001 - reported below
-            out[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    out = _run(tplan, stores, timeout_s=20)
     assert all(o is not None and not isinstance(o, Exception) for o in out), out
     for st in stores:
         assert mismatches(st, JOB, 0) == []
