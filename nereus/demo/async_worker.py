@@ -41,9 +41,9 @@ from nereus.demo.async_plan import (
 from nereus.demo.grpo import group_advantages
 from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
-from nereus.demo.worker import _bcast, _fill, _gen_placement_plan, _max, _sum, _Sync
-from nereus.errors import SpecError, TransitionError
-from nereus.executor.apply import RolledBack, apply_transition
+from nereus.demo.worker import _bcast, _fill, _gen_placement_plan, _max, _sum, _Sync, apply_on_every_rank
+from nereus.errors import SpecError
+from nereus.executor.apply import apply_transition
 from nereus.executor.engine import Engine, warm_recompute
 from nereus.executor.memory import MemoryMeter
 from nereus.executor.optim import AdamW
@@ -261,25 +261,11 @@ class AsyncRun:
         if new_plan is None:
             return rec
         if tplan is not None:
-            t0 = time.perf_counter()
-            report, failure = None, ""
-            try:
-                report = apply_transition(self.store, tplan, self.rank, DistTransport(self.rank), timeout_s=60.0,
-                                          fault=self.cfg.fault)
-            except RolledBack as e:
-                failure = str(e)
-            rec["transition_s"] = _max(time.perf_counter() - t0)
-            rec["transition_bytes"] = int(tplan.bytes_moved)
-            committed = _sum(int(report is not None))
-            if 0 < committed < self.world:
-                raise TransitionError(f"{committed} of {self.world} ranks committed the re-split, the others "
-                                      f"rolled back: the layouts disagree ({failure or 'this rank committed'})")
-            rec["regions_verified"] = _sum(report.regions_verified if report is not None else 0)
-            rec["verified"] = bool(committed) and rec["regions_verified"] == len(set(tplan.dst) - set(tplan.kept))
-            if not committed:
-                rec["transition_error"], rec["rolled_back"] = failure, True
+            fields, _ = apply_on_every_rank(self.store, tplan, self.rank, self.world, self.cfg.fault, "the re-split")
+            rec.update(fields)
+            if rec.get("rolled_back"):
                 if self.rank == 0:
-                    self.controller.report_rollback(failure, step=rec["step"])
+                    self.controller.report_rollback(rec["transition_error"], step=rec["step"])
                 return rec
             rec["resplit"] = len(rollout_ranks(new_plan)) != len(rollout_ranks(self.plan))
         self.plan = new_plan

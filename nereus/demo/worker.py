@@ -70,6 +70,31 @@ def _bcast(obj):
     return box[0]
 
 
+def apply_on_every_rank(store, tplan, rank: int, world: int, fault, what: str):
+    """Apply ``tplan`` on this rank as every rank does: (record fields, this rank's report or None).
+    Fields: ``transition_s`` (slowest rank), ``transition_bytes``, ``regions_verified`` (all ranks)
+    and ``verified``: every rank committed (each only after every rank's checksums matched) and
+    between them they verified every region the plan creates (kept ones stay as they are); on a
+    rollback on every rank, ``transition_error`` and ``rolled_back``. Ranks that disagree (some
+    committed, some rolled back) raise TransitionError naming ``what``."""
+    t0 = time.perf_counter()
+    report, failure = None, ""
+    try:
+        report = apply_transition(store, tplan, rank, DistTransport(rank), timeout_s=60.0, fault=fault)
+    except RolledBack as e:
+        failure = str(e)
+    rec = {"transition_s": _max(time.perf_counter() - t0), "transition_bytes": int(tplan.bytes_moved)}
+    committed = _sum(int(report is not None))
+    if 0 < committed < world:
+        raise TransitionError(f"{committed} of {world} ranks committed {what}, the others "
+                              f"rolled back: the layouts disagree ({failure or 'this rank committed'})")
+    rec["regions_verified"] = _sum(report.regions_verified if report is not None else 0)
+    rec["verified"] = bool(committed) and rec["regions_verified"] == len(set(tplan.dst) - set(tplan.kept))
+    if not committed:
+        rec["transition_error"], rec["rolled_back"] = failure, True
+    return rec, report
+
+
 def _gen_placement_plan(plan: Plan) -> Plan:
     """``plan`` with the actor's state homed in its generation layout (the weight-sync target)."""
     gen = plan.stage("actor/generation")
@@ -217,28 +242,12 @@ class _Run:
         if new_plan is None:
             return rec
         if tplan is not None:
-            t0 = time.perf_counter()
-            report, failure = None, ""
-            try:
-                report = apply_transition(self.store, tplan, self.rank, DistTransport(self.rank), timeout_s=60.0,
-                                          fault=self.cfg.fault)
-            except RolledBack as e:
-                failure = str(e)
-            rec["transition_s"] = _max(time.perf_counter() - t0)
-            rec["transition_bytes"] = int(tplan.bytes_moved)
-            committed = _sum(int(report is not None))
-            if 0 < committed < self.world:
-                raise TransitionError(f"{committed} of {self.world} ranks committed the transition, the others "
-                                      f"rolled back: the layouts disagree ({failure or 'this rank committed'})")
-            # verified: every rank committed (each only after every rank's checksums matched), and
-            # between them they verified every region the plan creates (the kept ones stay as they are)
-            rec["regions_verified"] = _sum(report.regions_verified if report is not None else 0)
-            rec["verified"] = bool(committed) and rec["regions_verified"] == len(set(tplan.dst) - set(tplan.kept))
-            if not committed:  # every rank rolled back: its old layout is intact, the run stays on it
-                rec["transition_error"] = failure
-                rec["rolled_back"] = True
+            fields, report = apply_on_every_rank(self.store, tplan, self.rank, self.world, self.cfg.fault,
+                                                 "the transition")
+            rec.update(fields)
+            if rec.get("rolled_back"):  # every rank rolled back: its old layout is intact, the run stays on it
                 if self.rank == 0:  # the controller goes back to the plan the run is still on, and audits it
-                    self.controller.report_rollback(failure, step=rec["step"])
+                    self.controller.report_rollback(rec["transition_error"], step=rec["step"])
                 return rec
             # the old state stays until commit (rollback): the transition's own high point
             rec["transition_peak_mem_frac"] = _max(float(report.peak_bytes)) / (self.cfg.budget_mb * 1024**2)
