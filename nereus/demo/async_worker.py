@@ -41,8 +41,16 @@ from nereus.demo.async_plan import (
 from nereus.demo.grpo import group_advantages
 from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
-from nereus.demo.worker import _bcast, _fill, _gen_placement_plan, _max, _sum, _Sync, apply_on_every_rank
-from nereus.errors import SpecError
+from nereus.demo.worker import (
+    _bcast,
+    _fill,
+    _gen_placement_plan,
+    _max,
+    _sum,
+    _Sync,
+    apply_on_every_rank,
+    refuse_unexecutable,
+)
 from nereus.executor.apply import apply_transition
 from nereus.executor.engine import Engine, warm_recompute
 from nereus.executor.memory import MemoryMeter
@@ -278,18 +286,12 @@ class AsyncRun:
 
     def _answer(self, decision, step: int):
         """(new plan or None, transition plan or None, audit fields) on rank 0."""
-        from nereus.executor.layout import check_executable
-
         info = {"decision": decision.action, "reason": decision.reason, "must": decision.must,
                 "predicted_cost_s": decision.predicted_cost_s}
         if decision.plan == self.plan:
             return None, None, info
-        try:  # e.g. a fallback to ZeRO-3, which the reference executor does not run
-            for s in decision.plan.stages:
-                check_executable(s)
-        except SpecError as e:
-            self.controller.report_rollback(f"not applied: {e}", step=step)
-            return None, None, {**info, "decision": "refused", "reason": f"{decision.reason}; not applied: {e}"}
+        if (refused := refuse_unexecutable(decision, self.controller, info, step)) is not None:
+            return None, None, refused
         return self._move(decision.plan, info)
 
     def _move(self, new: Plan, info: dict):

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from nereus.demo.grpo import group_advantages
 from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
-from nereus.errors import TransitionError
+from nereus.errors import SpecError, TransitionError
 from nereus.executor.apply import RolledBack, apply_transition
 from nereus.executor.engine import Engine, warm_recompute
-from nereus.executor.layout import stored
+from nereus.executor.layout import check_executable, stored
 from nereus.executor.memory import MemoryMeter
 from nereus.executor.optim import AdamW
 from nereus.executor.store import ShardStore
@@ -236,7 +236,7 @@ class _Run:
     def decide(self, rec: dict) -> dict:
         """Rank 0 asks the controller; every rank applies its answer (a transition raises
         TransitionError after rolling back if any rank failed to verify its regions)."""
-        answer = self._answer(self.controller.step(rec)) if self.rank == 0 else None
+        answer = self._answer(self.controller.step(rec), rec.get("step")) if self.rank == 0 else None
         new_plan, tplan, info = _bcast(answer)
         rec = {**rec, **info}
         if new_plan is None:
@@ -258,7 +258,7 @@ class _Run:
             self.controller.report_transition(rec["transition_s"])
         return rec
 
-    def _answer(self, decision):
+    def _answer(self, decision, step: int | None = None):
         """(new plan or None, transition plan or None, audit fields) on rank 0."""
         from nereus.planner.transition.build import plan_transition
 
@@ -266,12 +266,26 @@ class _Run:
                 "predicted_cost_s": decision.predicted_cost_s, "controller_s": decision.overhead_s}
         if decision.plan == self.plan:
             return None, None, info
+        if (refused := refuse_unexecutable(decision, self.controller, info, step)) is not None:
+            return None, None, refused
         if decision.plan.layout_key() == self.plan.layout_key():
             return decision.plan, None, info  # knobs only (micro-batch): no state moves
         tplan = plan_transition(self.job, self.cluster, self.plan, decision.plan, mixed_precision=False,
                                 scheduler="greedy")
         info["next_plan"] = _layout_label(decision.plan)
         return decision.plan, tplan, info
+
+
+def refuse_unexecutable(decision, controller, info: dict, step: int | None) -> dict | None:
+    """Audit fields of a refused decision when the reference executor cannot run ``decision.plan``
+    (e.g. ZeRO-3, which it does not run), after telling the controller it was not applied; else None."""
+    try:
+        for s in decision.plan.stages:
+            check_executable(s)
+    except SpecError as e:
+        controller.report_rollback(f"not applied: {e}", step=step)
+        return {**info, "decision": "refused", "reason": f"{decision.reason}; not applied: {e}"}
+    return None
 
 
 def _layout_label(plan: Plan) -> str:

@@ -223,3 +223,55 @@ def test_a_rescaled_plan_inherits_the_measurement_only_of_a_plan_that_never_ran_
     r.oom(("q",), {"actor/training": 70.0}, "actor/training", judged_fit=True)
     assert not r.inherit(("d",), ("q",)) and ("d",) not in r.measured
 
+
+
+
+def _within(plan, allowed) -> bool:
+    """Whether every model-stage but generation keeps to ``allowed``'s TPs and micro-batches, and
+    every training stage to its ZeRO stages and recomputation."""
+    for s in plan.stages:
+        if s.name == "actor/generation":
+            continue
+        c = s.config
+        if c.tp not in allowed.tps or c.micro_batch not in allowed.micro_batches:
+            return False
+        if s.name.endswith("/training") and (c.zero not in allowed.zeros or c.recompute not in allowed.recompute):
+            return False
+    return True
+
+
+def test_the_frugal_fallback_holds_only_knobs_the_solver_was_allowed(env):
+    """The demo's solver may choose ZeRO 1 only (its executor runs ZeRO 0-2) and, for ``static``, no
+    recomputation. Before, the dead-end fallback set every training stage to ZeRO-3 with
+    recomputation whatever the candidate settings said, and ``make demo`` crashed in the executor
+    ("ZeRO-3 ... the executor supports ZeRO 0-2 only") when static ran out of room. Now every
+    frugal variant keeps to the allowed ZeRO stages, recomputation, micro-batches and TPs, and so
+    does the controller's fallback when its solver is asked with those settings."""
+    from nereus.planner.solver.problem import CandidateSettings
+
+    allowed = CandidateSettings(tps=(1, 2), zeros=(0, 1), recompute=(False,), micro_batches=(2, 4))
+    plans = PlanCache(env.job, env.cluster, time_limit_s=10, seed=0, candidates=allowed)
+    ctl = Controller(env.job, env.cluster, transition_cost_fn=_const(5.0), horizon=50, plans=plans,
+                     build_transition=False)
+    assert _within(ctl.plan, allowed), ctl.plan
+    variants = frugal_variants(ctl.plan, env.job, env.cluster.gpus_per_node, allowed=allowed)
+    assert variants and all(_within(q, allowed) for q in variants)
+    assert all(s.config.micro_batch == 2 for q in variants for s in q.stages if s.name != "actor/generation")
+    # the default settings still reach ZeRO-3 with recomputation (the other dead-end tests rely on it)
+    d = frugal_variants(ctl.plan, env.job, env.cluster.gpus_per_node)[0]
+    assert all(s.config.zero == 3 and s.config.recompute for s in d.stages if s.name.endswith("/training"))
+
+    usable = env.cluster.gpu.usable_bytes / 2**30
+    m0 = _metrics(env, 0, ctl.plan)
+    d = ctl.step(StepMetrics(step=0, response_len_mean=m0.response_len_mean, response_len_max=m0.response_len_max,
+                             stage_times=m0.stage_times, gpus_available=32, peak_mem_gib=2 * usable))
+    seen = [d]
+    for s in range(1, 8):  # every plan it moves to runs out of memory in training
+        if "nothing is predicted to fit" in d.reason:
+            break
+        m = _metrics(env, s, ctl.plan)
+        d = ctl.step(StepMetrics(step=s, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                                 gpus_available=32, oom=True, oom_stage="actor/training"))
+        seen.append(d)
+    assert "nothing is predicted to fit" in d.reason, d.reason
+    assert all(_within(x.plan, allowed) for x in seen), [(x.action, x.reason) for x in seen]

@@ -79,3 +79,36 @@ def test_summary_counts_syncs_transitions_and_staleness():
     assert s["syncs"] == 3 and s["syncs_bit_exact"] == 3 and s["staleness"] == [0, 1]
     assert s["transitions"] == 1 and s["verified_transitions"] == 1 and s["resplits"][0]["to"] == "b"
     assert s["sync_mb_per_s"] == pytest.approx(10.0)
+
+
+class _Decision:
+    def __init__(self, plan):
+        self.plan, self.reason = plan, "must switch: out of memory"
+
+
+class _Controller:
+    def __init__(self):
+        self.rollbacks = []
+
+    def report_rollback(self, reason, step=None):
+        self.rollbacks.append((reason, step))
+
+
+def test_both_demo_workers_refuse_a_plan_the_executor_cannot_run_and_tell_the_controller():
+    """A decision for a ZeRO-3 plan (the executor runs ZeRO 0-2) is refused with the reason, and the
+    controller is told it was not applied; a plan it can run passes (``refuse_unexecutable``, used by
+    the sync and the one-step-off worker alike)."""
+    from dataclasses import replace
+
+    from nereus.demo.worker import refuse_unexecutable
+    from nereus.planner.plan import Plan, StagePlacement
+    from nereus.planner.specs import ParallelConfig
+
+    ok = Plan(stages=(StagePlacement(name="actor/training", config=ParallelConfig(tp=1, pp=1, dp=2, zero=1),
+                                     pool=0, gpus=2, first_gpu=0),))
+    z3 = replace(ok, stages=(replace(ok.stages[0], config=replace(ok.stages[0].config, zero=3)),))
+    ctl = _Controller()
+    assert refuse_unexecutable(_Decision(ok), ctl, {"decision": "switch"}, 7) is None and not ctl.rollbacks
+    out = refuse_unexecutable(_Decision(z3), ctl, {"decision": "switch"}, 7)
+    assert out["decision"] == "refused" and "ZeRO-3" in out["reason"] and "not applied" in out["reason"]
+    assert len(ctl.rollbacks) == 1 and ctl.rollbacks[0][1] == 7 and "ZeRO-3" in ctl.rollbacks[0][0]

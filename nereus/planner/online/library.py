@@ -17,7 +17,10 @@ from nereus.models.spec import ModelSpec
 from nereus.planner.cost.plan_times import compose_step
 from nereus.planner.online.plan_cache import LayoutRule, keep_layout, scale_plan
 from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.solver.problem import CandidateSettings
 from nereus.planner.specs import JobSpec, Workload
+
+DEFAULT_SETTINGS = CandidateSettings()
 
 
 @dataclass(slots=True)
@@ -87,21 +90,25 @@ def gen_tp_free(rule: LayoutRule) -> bool:
     return rule.anchor is None and all(ms != "actor/generation" for ms, _, _ in rule.fixed_tp_pp)
 
 
-def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str] = frozenset()) -> list[Plan]:
-    """``plan`` with its knobs at their most frugal (every training stage ZeRO-3 with recomputation,
-    every training and inference stage one sequence per micro-batch, no token budget; a trainable
+def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str] = frozenset(),
+                    allowed: CandidateSettings = DEFAULT_SETTINGS) -> list[Plan]:
+    """``plan`` with its knobs at their most frugal among those ``allowed`` (the solver's candidate
+    settings: every training stage at the highest ZeRO stage allowed, with recomputation if allowed;
+    every training and inference stage at the smallest micro-batch, no token budget; a trainable
     model's inference pass follows its training's ZeRO stage), and that plan with one model's TP
     doubled (DP halved; the training and inference of a trainable model together) for each model
-    whose model-stages are not in ``fixed`` and whose TP can double within a node. Offload is not
-    among them: the controller's memory model does not price it."""
+    whose model-stages are not in ``fixed`` and whose doubled TP is allowed and fits in a node. A
+    fallback never holds a knob its solver could not choose (the demo's executor runs ZeRO 0-2
+    only). Offload is not among them: the controller's memory model does not price it."""
     trainable = {s.role for s in plan.stages if s.name.endswith("/training")}
     stages = []
     for s in plan.stages:
         c = s.config
         if s.name != "actor/generation":
             train = s.role in trainable
-            c = replace(c, micro_batch=1, token_budget=0, zero=3 if train else c.zero,
-                        recompute=True if s.name.endswith("/training") else c.recompute)
+            c = replace(c, micro_batch=min(allowed.micro_batches), token_budget=0,
+                        zero=max(allowed.zeros) if train else c.zero,
+                        recompute=max(allowed.recompute) if s.name.endswith("/training") else c.recompute)
         stages.append(replace(s, config=c))
     try:
         base = replace(plan, stages=tuple(stages))
@@ -119,7 +126,7 @@ def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str
         try:
             check_tp(job.model(first.role), tp)
             heads = job.model(first.role).heads
-            if tp > gpus_per_node or any(base.stage(n).gpus % (tp * base.stage(n).config.pp)
+            if tp > gpus_per_node or tp not in allowed.tps or any(base.stage(n).gpus % (tp * base.stage(n).config.pp)
                                          or heads % (tp * base.stage(n).config.sp) for n in names):
                 continue
             new = {n: replace(base.stage(n), config=replace(base.stage(n).config, tp=tp,
@@ -267,7 +274,7 @@ class CandidateLibrary:
         """Nothing is predicted to fit next step: the most frugal plan at hand (fewest OOMs so far,
         then most GiB to spare on its tightest model-stage, reserves included, then the faster). From the
         current plan, the library, and the solver asked with lower memory reserves, each also with
-        its knobs at their most frugal (``frugal_variants``: ZeRO-3, recomputation, micro-batch 1,
+        its knobs at their most frugal (``frugal_variants``: the highest ZeRO stage allowed, recomputation, micro-batch 1,
         TP doubled where the rule leaves TP free). ``origin`` "fallback", ``feasible_next`` False
         unless the variant is predicted to fit; ``spare_gib`` set (other candidates leave it nan)."""
         pool = {k: p for k, (p, _) in self._library.items() if p.num_gpus <= self.gpus}
@@ -283,9 +290,10 @@ class CandidateLibrary:
                     pool.setdefault(p.key(), p)
                     break
         fixed = {ms for ms, _, _ in self.rule.fixed_tp_pp}
+        allowed = self.rule.candidate_settings(self.plans.candidates or DEFAULT_SETTINGS)
         best, best_key = None, None
         for p in list(pool.values()):
-            for q in [p] + frugal_variants(p, self.job, self.cluster.gpus_per_node, fixed):
+            for q in [p] + frugal_variants(p, self.job, self.cluster.gpus_per_node, fixed, allowed):
                 if q.num_gpus > self.gpus:
                     continue
                 try:
