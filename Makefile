@@ -3,16 +3,25 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install test demo clean
+.PHONY: install install-run test demo clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+install-run: $(RUN_STAMP)
+
+# What `nereus demo` (and every command) needs: the package and its run-time dependencies.
+$(RUN_STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch from the on-disk wheel first: never let pip resolve a bare `torch` (CUDA build).
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	@$(BIN)/python -m pip install -q -e .
+	@touch $(RUN_STAMP)
+
+# The tests' extras on top (pytest, notebooks, transformers for the HF executor tests).
+$(STAMP): $(RUN_STAMP)
 	@$(BIN)/python -m pip install -q -e '.[dev]'
 	# verl and OpenRLHF as data for tests/unit/test_frameworks.py (never imported): no dependencies.
 	@$(BIN)/python -m pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2
@@ -21,7 +30,8 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q tests notebooks --nbmake
 
-demo: install
+# the demo needs no test extras: a fresh clone's `make demo` installs only what it runs
+demo: install-run
 	$(BIN)/nereus demo
 
 clean:
