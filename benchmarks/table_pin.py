@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after PYTHONPATH: benchmarks/table_speed.py prices another checkout with it
 
 from nereus.planner.cost.params import CostParams
 from nereus.planner.schedules import ScheduleSpec

@@ -11,8 +11,9 @@ pool to the largest transient of the stages the pool runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from nereus.errors import SpecError
 from nereus.planner.cost.params import CostParams
@@ -132,13 +133,25 @@ def finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: Cos
             resident: dict[str, float], transient: dict[str, float], cluster: ClusterSpec,
             waves: int = 1, notes: tuple[str, ...] = ()) -> StageEstimate:
     f = p.factor(stage)
-    t = {k: v * f for k, v in t.items()}
+    if f != 1.0:  # (v * 1.0 is v: the option tables price at unit factors and scale afterwards)
+        t = {k: v * f for k, v in t.items()}
     if stage in RESERVED_STAGES and p.mem_reserve_frac > 0:  # the held-out memory error, kept free
         r = p.mem_reserve_frac
         resident = {**resident, "reserve_resident": r * sum(resident.values())}
         transient = {**transient, "reserve_transient": r * sum(transient.values())}
     return StageEstimate(ms, cfg, sum(t.values()), t, sum(resident.values()), sum(transient.values()),
                          {**resident, **transient}, cluster.gpu.usable_bytes, waves, notes)
+
+
+def memoised(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in ``memo`` under ``key`` when the caller passes one (``model.estimate``'s
+    ``memo``: one dict per (job, cluster, workload, params) while it prices many configs)."""
+    if memo is None:
+        return make()
+    v = memo.get(key)
+    if v is None:
+        v = memo[key] = make()
+    return v
 
 
 def trainable(role: str) -> bool:

@@ -14,7 +14,7 @@ from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.comm import TP_EDGE_COLLECTIVES, ag_s, ar_s, weight_sync_s
-from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, trainable
+from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, memoised, trainable
 from nereus.planner.cost.framework import (
     CONTROLLER_TRAIN_TENSORS,
     controller_transfer_s,
@@ -86,23 +86,26 @@ def validate_config(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: P
 
 def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: ParallelConfig,
              workload: Workload | None = None, params: CostParams | None = None,
-             kv_budget_bytes: float | None = None, options: StageOptions | None = None) -> StageEstimate:
+             kv_budget_bytes: float | None = None, options: StageOptions | None = None,
+             memo: dict | None = None) -> StageEstimate:
     """Time and memory of ``model_stage`` under ``cfg``. ``kv_budget_bytes`` caps the KV cache of
     generation per GPU (default: what the inference engine may take of an otherwise empty GPU);
-    ``options``: padding and offload settings of the framework (``StageOptions``)."""
-    model = validate_config(job, cluster, model_stage, cfg)
+    ``options``: padding and offload settings of the framework (``StageOptions``). ``memo``: a dict
+    the caller keeps while it prices many configs of one (job, cluster, workload, params), the option
+    tables' thousands: a layout is checked once, and the terms that configs differing only in ZeRO
+    stage and recomputation share are computed once (same numbers as without it)."""
+    model = _checked(job, cluster, model_stage, cfg) if memo is None else \
+        memoised(memo, ("checked", model_stage, cfg.tp, cfg.pp, cfg.gpus, cfg.sp),
+                 lambda: _first_equal(job, _checked(job, cluster, model_stage, cfg)))
     w = workload or job.workload()
     p = params or CostParams()
     role, _, stage = model_stage.partition("/")
     head = "value" if role in ("critic", "reward") else "lm"
-    if cfg.sp > 1 and model.heads % (cfg.sp * cfg.tp):
-        raise SpecError(f"sp({cfg.sp}) * tp({cfg.tp}) must divide the {model.heads} attention heads of {model.name} "
-                        f"(Ulysses splits heads across the sequence-parallel ranks)")
     o = options or NO_OPTIONS
     if stage == "training":
-        e = estimate_training(job, cluster, model_stage, model, cfg, w, p, head, o)
+        e = estimate_training(job, cluster, model_stage, model, cfg, w, p, head, o, memo)
     elif stage == "inference":
-        e = estimate_inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded, o)
+        e = estimate_inference(cluster, model_stage, model, cfg, w, p, head, job.sequence.padded, o, memo)
     else:
         e = estimate_generation(job, cluster, model_stage, model, cfg, w, p, kv_budget_bytes)
     if o.controller_width:
@@ -112,3 +115,18 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
         c = controller_transfer_s(stage, w.sequences, o.controller_width, w.response_len_max, p)
         e = replace(e, time_s=e.time_s + c, time_breakdown={**e.time_breakdown, "controller_transfer": c})
     return e
+
+
+def _first_equal(job: JobSpec, model: ModelSpec) -> ModelSpec:
+    """The first of the job's models equal to ``model``: stages of equal models (an actor and its
+    reference copy) then share the terms ``memo`` keys by the model's identity."""
+    return next(m for _, m in job.models if m == model)
+
+
+def _checked(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: ParallelConfig) -> ModelSpec:
+    """``validate_config`` and the sequence split's heads: what depends on tp, pp, gpus and sp alone."""
+    model = validate_config(job, cluster, model_stage, cfg)
+    if cfg.sp > 1 and model.heads % (cfg.sp * cfg.tp):
+        raise SpecError(f"sp({cfg.sp}) * tp({cfg.tp}) must divide the {model.heads} attention heads of {model.name} "
+                        f"(Ulysses splits heads across the sequence-parallel ranks)")
+    return model

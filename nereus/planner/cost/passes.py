@@ -5,13 +5,14 @@ and model states."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 from nereus.errors import SpecError
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost import moe
 from nereus.planner.cost.comm import TP_EDGE_COLLECTIVES, a2a_s, ag_s, ar_s, group_bw, ring_kv_exposed_s
-from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, finish, trainable
+from nereus.planner.cost.estimates import NO_OPTIONS, StageEstimate, StageOptions, finish, memoised, trainable
 from nereus.planner.cost.framework import fsdp_cpu_floor_s, optimizer_offload_s, param_offload_s
 from nereus.planner.cost.lengths import expected_max, response_quantiles
 from nereus.planner.cost.memory import split_model_state_bytes, GiB, model_state_bytes, params_per_gpu
@@ -94,111 +95,181 @@ def logprob_vocab_s(tokens: float, vocab: int, cfg: ParallelConfig, cluster: Clu
     return tokens / cfg.dp * vocab / cfg.tp * per_logit / (p.hbm_eff * cluster.gpu.hbm_bytes_per_s)
 
 
-def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
-              w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS) -> StageEstimate:
+@dataclass(frozen=True, slots=True)
+class _TrainShape:
+    """The terms of a training pass that its ZeRO stage and recomputation leave unchanged (the
+    micro-batches, tokens, GEMM efficiency, the seconds of one call of each collective, memory per
+    token), computed once for the configs that share them (``estimate_training``'s ``memo``)."""
+
+    m: int
+    mb_tokens: float
+    tokens: float
+    matmul_params: int
+    attn: float
+    """Attention FLOPs of one epoch without recomputation's extra forward, up to the factor."""
+    eff: float
+    eff_x: float
+    flop_rate: float
+    attn_rate: float
+    n_micro: int
+    layers_here: int
+    ar_tp: float
+    a2a_sp: float
+    pp_p2p: float
+    moe_layers: int
+    ep_a2a: float
+    dense: float
+    expert: float
+    psi: float
+    dp_sync: float
+    """Gradient all-reduce below ZeRO-3 (dense and expert groups apart on a mixture of experts)."""
+    fsdp_gather: float
+    dp_sync_z3: float
+    logprob: float
+    act: float
+    act_recompute: float
+    logits: float
+
+
+def _train_shape(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, cfg: ParallelConfig, w: Workload,
+                 p: CostParams, head: str, o: StageOptions) -> _TrainShape:
+    """Reads no ZeRO stage and no recomputation from ``cfg``."""
     tp, pp, dp, sp, split = cfg.tp, cfg.pp, cfg.dp, cfg.sp, cfg.seq_split
-    moe.check(model, cfg, "training")
     E, M = job.batch.ppo_epochs, job.batch.mini_batches
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     gpu = cluster.gpu
-    # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
-    n_factor = 8 if cfg.recompute else 6
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, M, job.sequence.padded, o.pad_to)
     # a padded batch computes every row to its longest; pad_to: every row to a fixed width (attention
     # stays at the real lengths there: padded_tokens)
     tokens, s_sq = _computed(w, cfg, mb_tokens, s_sq, True) if job.sequence.padded else (padded_tokens(w, o.pad_to), s_sq)
-    attn = 6 * L * model.heads * model.head_dim * w.sequences * s_sq * (4 / 3 if cfg.recompute else 1) * E
-    flops = n_factor * model.matmul_params() * tokens * E
     eff = p.matmul_eff(p.mfu_train, 2 * mb_tokens / split * h * (h if model.is_moe else model.ffn) / tp)
+    eff_x = 0.0
+    if model.is_moe:  # the routed experts at their own (smaller) GEMM's efficiency
+        eff_x = p.matmul_eff(p.mfu_train, moe.expert_gemm_flops(model, mb_tokens / split / tp, cfg.ep * cfg.etp,
+                                                                 cfg.etp))
+    n_micro = E * M * m
+    act_bytes = mb_tokens / split * h * 2
+    layers_here = math.ceil(L / pp)
+    pp_p2p = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)
+    # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
+    syncs = n_micro if o.grad_sync == "micro_batch" else E * M
+    moe_layers, ep_a2a, dense, expert = 0, 0.0, 0.0, 0.0
+    if model.is_moe:  # all-to-all dispatch + combine per MoE block; the busiest EP rank
+        dense, expert = moe.stage_params(model, tp, pp, cfg.ep * cfg.etp, head)
+        psi = dense + expert
+        moe_layers = moe.moe_layers_per_stage(model, pp)
+        ep_a2a = moe.ep_a2a_s(model, cfg, mb_tokens / split / tp, cluster, p)
+        # dense grads over dp, the experts' over expert-dp (ep * etp apart)
+        gb = o.grad_reduce_bytes or model.dtype_bytes
+        dp_sync = syncs * (ar_s(dense * gb, dp, cluster, p, tp * pp)
+                           + ar_s(expert * gb, moe.expert_dp(cfg), cluster, p, cfg.ep * cfg.etp))
+        act_ffn = moe.act_ffn(model, moe.imbalance(cfg))
+    else:
+        psi = params_per_gpu(model, tp, pp, head)
+        act_ffn = model.ffn
+    grad_bytes = psi * (o.grad_reduce_bytes or model.dtype_bytes)
+    if not model.is_moe:
+        dp_sync = syncs * ar_s(grad_bytes, dp, cluster, p, tp * pp)
+    # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
+    fsdp_gather = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
+    dp_sync_z3 = syncs * ag_s(grad_bytes, dp, cluster, p, tp * pp)
+    logprob = logprob_vocab_s(tokens * E, model.vocab, cfg, cluster, p, training=True) if head == "lm" else 0.0
+    # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
+    act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
+    in_flight = min(pp, m)
+    tok = mb_worst / split
+    # with recomputation, the kept block inputs: split over TP with sequence parallelism, replicated
+    # where the measured activations say the executor replicates the residual (no SP)
+    kept_tp = 1 if p.act_bytes_replicated else tp
+    vocab_out = model.vocab / tp if head == "lm" else 1
+    return _TrainShape(
+        m=m, mb_tokens=mb_tokens, tokens=tokens, matmul_params=model.matmul_params(),
+        attn=6 * L * model.heads * model.head_dim * w.sequences * s_sq,
+        eff=eff, eff_x=eff_x, flop_rate=cfg.gpus * gpu.peak_flops * eff, attn_rate=cfg.gpus * gpu.peak_flops * p.mfu_attn,
+        n_micro=n_micro, layers_here=layers_here, ar_tp=ar_s(act_bytes, tp, cluster, p),
+        a2a_sp=a2a_s(act_bytes / tp, sp, cluster, p, tp), pp_p2p=pp_p2p, moe_layers=moe_layers, ep_a2a=ep_a2a,
+        dense=dense, expert=expert, psi=psi, dp_sync=dp_sync, fsdp_gather=fsdp_gather, dp_sync_z3=dp_sync_z3,
+        logprob=logprob, act=in_flight * layers_here * tok * act_tok_layer,
+        act_recompute=in_flight * layers_here * tok * model.dtype_bytes * h / kept_tp + tok * act_tok_layer,
+        logits=tok * vocab_out * p.logits_bytes * p.logits_copies_train)
+
+
+def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig,
+                      w: Workload, p: CostParams, head: str, o: StageOptions = NO_OPTIONS,
+                      memo: dict | None = None) -> StageEstimate:
+    """``memo``: a dict the caller keeps for one (job, cluster, workload, params), in which configs
+    that differ only in ZeRO stage and recomputation share their ``_TrainShape`` (keyed by the
+    model's identity: the caller passes the same object for equal models, ``model.estimate``)."""
+    moe.check(model, cfg, "training")
+    s = memoised(memo, ("training", id(model), head, o, cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.sp, cfg.cp, cfg.ep, cfg.etp,
+                       cfg.token_budget), lambda: _train_shape(job, cluster, model, cfg, w, p, head, o))
+    pp, dp, zero, rc = cfg.pp, cfg.dp, cfg.zero, cfg.recompute
+    E, M = job.batch.ppo_epochs, job.batch.mini_batches
+    L, gpu = model.layers, cluster.gpu
+    m, tokens, n_micro = s.m, s.tokens, s.n_micro
+    # compute: 6N (8N with full recompute) per token, attention from E[s^2] of the batch
+    n_factor = 8 if rc else 6
+    attn = s.attn * (4 / 3 if rc else 1) * E
+    flops = n_factor * s.matmul_params * tokens * E
     if model.is_moe:  # the routed experts at their own (smaller) GEMM's efficiency
         if o.fp8_linear:
             raise SpecError(f"fp8_linear on {model.name}: FP8 training of mixture-of-experts models is not modelled")
         routed = n_factor * moe.routed_active_params(model) * tokens * E
-        eff_x = p.matmul_eff(p.mfu_train, moe.expert_gemm_flops(model, mb_tokens / split / tp, cfg.ep * cfg.etp,
-                                                                 cfg.etp))
-        compute, expert_s = moe.split_compute_s(model, flops, routed, cfg.gpus, gpu.peak_flops, eff, eff_x)
+        compute, expert_s = moe.split_compute_s(model, flops, routed, cfg.gpus, gpu.peak_flops, s.eff, s.eff_x)
     elif o.fp8_linear:  # the layers' GEMMs in FP8, the LM head's in bf16
         layer_flops = n_factor * L * model.layer_params() * tokens * E
-        compute = ((flops - layer_flops) / (cfg.gpus * gpu.peak_flops * eff)
-                   + fp8_linear_s(model, layer_flops, tokens * E, cfg, mb_tokens, gpu, p))
+        compute = (flops - layer_flops) / s.flop_rate + fp8_linear_s(model, layer_flops, tokens * E, cfg,
+                                                                     s.mb_tokens, gpu, p)
     else:
-        compute = flops / (cfg.gpus * gpu.peak_flops * eff)
-    attn_s = attn / (cfg.gpus * gpu.peak_flops * p.mfu_attn)
+        compute = flops / s.flop_rate
+    attn_s = attn / s.attn_rate
     compute += attn_s
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m}
     # communication
-    n_micro = E * M * m
-    act_bytes = mb_tokens / split * h * 2
-    n_ar = 6 if cfg.recompute else 4
-    t["tp_comm"] = n_micro * math.ceil(L / pp) * n_ar * ar_s(act_bytes, tp, cluster, p)
+    n_ar = 6 if rc else 4
+    t["tp_comm"] = n_micro * s.layers_here * n_ar * s.ar_tp
     if model.is_moe and cfg.etp == 1:  # whole experts: the MoE blocks' MLP collectives become the all-to-all
-        t["tp_comm"] -= n_micro * moe.moe_layers_per_stage(model, pp) * n_ar / 2 * ar_s(act_bytes, tp, cluster, p)
-    t["sp_comm"] = n_micro * math.ceil(L / pp) * (12 if cfg.recompute else 8) * a2a_s(act_bytes / tp, sp, cluster, p, tp)
+        t["tp_comm"] -= n_micro * s.moe_layers * n_ar / 2 * s.ar_tp
+    t["sp_comm"] = n_micro * s.layers_here * (12 if rc else 8) * s.a2a_sp
     if cfg.cp > 1:  # forward, backward (keys/values again and their gradients back), forward again when recomputing
-        t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, n_micro, 4 if cfg.recompute else 3, attn_s, cluster, p)
-    t["pp_p2p"] = 0.0 if pp == 1 else n_micro * 2 * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)
+        t["cp_comm"] = ring_kv_exposed_s(model, cfg, s.mb_tokens, n_micro, 4 if rc else 3, attn_s, cluster, p)
+    t["pp_p2p"] = s.pp_p2p
     if model.is_moe:  # all-to-all dispatch + combine per MoE block, forward and backward; the busiest EP rank
-        dense, expert = moe.stage_params(model, tp, pp, cfg.ep * cfg.etp, head)
-        psi = dense + expert
-        t["ep_comm"] = n_micro * moe.moe_layers_per_stage(model, pp) * (6 if cfg.recompute else 4) * \
-            moe.ep_a2a_s(model, cfg, mb_tokens / split / tp, cluster, p)
+        t["ep_comm"] = n_micro * s.moe_layers * (6 if rc else 4) * s.ep_a2a
         t["moe_imbalance"] = (moe.imbalance(cfg) - 1) * expert_s
+    psi = s.psi
+    if model.is_moe and zero < 3:  # dense grads over dp, the experts' over expert-dp (ep * etp apart)
+        t["dp_grad_sync"] = s.dp_sync
+    elif zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
+        t["fsdp_gather"] = s.fsdp_gather
+        t["dp_grad_sync"] = s.dp_sync_z3
     else:
-        psi = params_per_gpu(model, tp, pp, head)
-    # gradients reduced once per optimizer step, or after every micro-batch's backward (o.grad_sync)
-    syncs = n_micro if o.grad_sync == "micro_batch" else E * M
-    grad_bytes = psi * (o.grad_reduce_bytes or model.dtype_bytes)
-    if model.is_moe and cfg.zero < 3:  # dense grads over dp, the experts' over expert-dp (ep * etp apart)
-        gb = o.grad_reduce_bytes or model.dtype_bytes
-        edp = moe.expert_dp(cfg)
-        t["dp_grad_sync"] = syncs * (ar_s(dense * gb, dp, cluster, p, tp * pp)
-                                     + ar_s(expert * gb, edp, cluster, p, cfg.ep * cfg.etp))
-    elif cfg.zero >= 3:  # FSDP: params gathered for forward and backward of every micro-batch, grads reduce-scattered
-        t["fsdp_gather"] = n_micro * 2 * ag_s(psi * 2, dp, cluster, p, tp * pp)
-        t["dp_grad_sync"] = syncs * ag_s(grad_bytes, dp, cluster, p, tp * pp)
-    else:
-        t["dp_grad_sync"] = syncs * ar_s(grad_bytes, dp, cluster, p, tp * pp)
-    opt_share = psi / dp if cfg.zero >= 1 else psi
-    if model.is_moe and cfg.zero >= 1:
-        opt_share = dense / dp + expert / moe.expert_dp(cfg)
+        t["dp_grad_sync"] = s.dp_sync
+    opt_share = psi / dp if zero >= 1 else psi
+    if model.is_moe and zero >= 1:
+        opt_share = s.dense / dp + s.expert / moe.expert_dp(cfg)
     t["optimizer"] = E * M * opt_share * p.optimizer_bytes_per_param / (p.hbm_eff * gpu.hbm_bytes_per_s)
     if head == "lm":
-        t["logprob_vocab"] = logprob_vocab_s(tokens * E, model.vocab, cfg, cluster, p, training=True)
+        t["logprob_vocab"] = s.logprob
     if o.param_offload != "none":
-        t["param_offload"] = param_offload_s(psi / dp if cfg.zero >= 3 else psi, o.param_offload, n_micro, p,
+        t["param_offload"] = param_offload_s(psi / dp if zero >= 3 else psi, o.param_offload, n_micro, p,
                                              bytes_per_param=4.0, passes_per_micro_batch=2)
     if o.optimizer_offload:
         t["optimizer_offload"] = optimizer_offload_s(opt_share, p)
-    if cfg.zero >= 3:
-        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, math.ceil(L / pp), 3 if cfg.recompute else 2, sum(t.values()), p,
+    if zero >= 3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(n_micro, s.layers_here, 3 if rc else 2, sum(t.values()), p,
                                                synced=o.pad_to > 0)
     if p.micro_batch_overhead_s or p.optimizer_step_overhead_s:  # host overheads (0 on the GPU presets)
-        passes = 4 if cfg.recompute else 3  # forward, backward (2x), and the forward again when recomputing
-        t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * math.ceil(L / pp) / L
+        passes = 4 if rc else 3  # forward, backward (2x), and the forward again when recomputing
+        t["overhead"] = (n_micro * passes * p.micro_batch_overhead_s * s.layers_here / L
                          + E * M * p.optimizer_step_overhead_s)
-    # memory: activations of the largest micro-batch actually formed, not s_max for every sequence
     if model.is_moe:
-        resident = split_model_state_bytes(dense, expert, cfg.dp, moe.expert_dp(cfg), cfg.zero, model.dtype_bytes)
-        act_ffn = moe.act_ffn(model, moe.imbalance(cfg))
+        resident = split_model_state_bytes(s.dense, s.expert, dp, moe.expert_dp(cfg), zero, model.dtype_bytes)
     else:
-        resident = model_state_bytes(psi, dp, cfg.zero, model.dtype_bytes)
-        act_ffn = model.ffn
-    act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
-    in_flight = min(pp, m)
-    layers_here = math.ceil(L / pp)
-    tok = mb_worst / split
-    if cfg.recompute:
-        # the kept block inputs: split over TP with sequence parallelism, replicated where the
-        # measured activations say the executor replicates the residual (no SP)
-        kept_tp = 1 if p.act_bytes_replicated else tp
-        act = in_flight * layers_here * tok * model.dtype_bytes * h / kept_tp + tok * act_tok_layer
-    else:
-        act = in_flight * layers_here * tok * act_tok_layer
-    vocab_out = model.vocab / tp if head == "lm" else 1
-    logits = tok * vocab_out * p.logits_bytes * p.logits_copies_train
-    transient = {"activations": act, "logits": logits, "fsdp_unsharded": fsdp_unsharded_bytes(psi, cfg, layers_here,
-                                                                                          model.dtype_bytes),
+        resident = model_state_bytes(psi, dp, zero, model.dtype_bytes)
+    transient = {"activations": s.act_recompute if rc else s.act, "logits": s.logits,
+                 "fsdp_unsharded": fsdp_unsharded_bytes(psi, cfg, s.layers_here, model.dtype_bytes),
                  "workspace": p.workspace_gib * GiB}
     return finish(ms, cfg, t, "training", p, resident, transient, cluster)
 
@@ -241,10 +312,24 @@ def fp8_linear_s(model: ModelSpec, layer_flops: float, tokens: float, cfg: Paral
     return gemm + elems * FP8_CAST_BYTES / (p.hbm_eff * gpu.hbm_bytes_per_s)
 
 
-def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
-               p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS) -> StageEstimate:
+@dataclass(frozen=True, slots=True)
+class _InferShape:
+    """The terms of an inference pass that its ZeRO stage leaves unchanged (it reads no recomputation),
+    computed once for the configs that share them (``estimate_inference``'s ``memo``)."""
+
+    t: dict[str, float]
+    """Time terms up to the experts' (ZeRO-3's and the host's come after them)."""
+    m: int
+    layers_here: int
+    psi: float
+    act: float
+    logits: float
+
+
+def _infer_shape(cluster: ClusterSpec, model: ModelSpec, cfg: ParallelConfig, w: Workload, p: CostParams, head: str,
+                 padded: bool, o: StageOptions) -> _InferShape:
+    """Reads no ZeRO stage and no recomputation from ``cfg``."""
     tp, pp, sp, split = cfg.tp, cfg.pp, cfg.sp, cfg.seq_split
-    moe.check(model, cfg, "inference")
     h, L = model.hidden, model.layers
     _, s_sq = seq_moments(w)
     m, mb_tokens, mb_worst = _micro_batches(w, cfg, 1, padded, o.pad_to)
@@ -263,9 +348,10 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
     else:
         compute = flops / (peak * eff) + attn_s
     act_bytes = mb_tokens / split * h * 2
+    layers_here = math.ceil(L / pp)
     t = {"compute": compute, "pp_bubble": compute * (pp - 1) / m,
-         "tp_comm": m * (math.ceil(L / pp) * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
-         "sp_comm": m * math.ceil(L / pp) * 4 * a2a_s(act_bytes / tp, sp, cluster, p, tp),
+         "tp_comm": m * (layers_here * 2 + TP_EDGE_COLLECTIVES) * ar_s(act_bytes, tp, cluster, p),
+         "sp_comm": m * layers_here * 4 * a2a_s(act_bytes / tp, sp, cluster, p, tp),
          "pp_p2p": 0.0 if pp == 1 else m * p2p_s(act_bytes / tp, group_bw(cluster, tp * pp, p), p.p2p_latency_s)}
     if cfg.cp > 1:
         t["cp_comm"] = ring_kv_exposed_s(model, cfg, mb_tokens, m, 1, attn_s, cluster, p)
@@ -275,26 +361,39 @@ def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: Par
         t["ep_comm"] = m * moe.moe_layers_per_stage(model, pp) * 2 * moe.ep_a2a_s(model, cfg, mb_tokens / split / tp,
                                                                                cluster, p)
         t["moe_imbalance"] = (moe.imbalance(cfg) - 1) * expert_s
-    psi = params_per_gpu(model, tp, pp, head, cfg.ep * cfg.etp)
-    if cfg.zero >= 3:  # FSDP: every micro-batch's forward all-gathers the parameters again (resharded after it)
-        t["fsdp_gather"] = m * ag_s(psi * 2, cfg.dp, cluster, p, tp * pp)
-    if o.param_offload != "none":
-        t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
-                                             bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
-    if cfg.zero >= 3:
-        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, math.ceil(L / pp), 1, sum(t.values()), p, training=False,
-                                               synced=o.pad_to > 0)
-    if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
-        t["overhead"] = m * p.infer_pass_overhead_s * math.ceil(L / pp) / L + p.infer_call_overhead_s
-    # ZeRO-3 / FSDP (verl's FSDP ref and actor): each rank keeps 1/dp of the weights and gathers the
-    # layer it computes (and the one prefetched) for the forward, as the time term above gathers them
-    resident = {"weights": model.dtype_bytes * psi / (cfg.dp if cfg.zero >= 3 else 1)}
     vocab_out = model.vocab / tp if head == "lm" else 1
     act_ffn = moe.act_ffn(model, moe.imbalance(cfg)) if model.is_moe else model.ffn
     act_tok_layer = p.act_bytes_per_token(h, act_ffn, model.kv_dim, tp, model.dtype_bytes)
     tok = mb_worst / split
-    act, logits = tok * act_tok_layer, tok * vocab_out * p.logits_bytes
-    transient = {"activations": act, "logits": logits, "workspace": p.workspace_gib * GiB}
-    if cfg.zero >= 3:
-        transient["fsdp_unsharded"] = fsdp_unsharded_bytes(psi, cfg, math.ceil(L / pp), model.dtype_bytes)
+    return _InferShape(t=t, m=m, layers_here=layers_here, psi=params_per_gpu(model, tp, pp, head, cfg.ep * cfg.etp),
+                       act=tok * act_tok_layer, logits=tok * vocab_out * p.logits_bytes)
+
+
+def estimate_inference(cluster: ClusterSpec, ms: str, model: ModelSpec, cfg: ParallelConfig, w: Workload,
+                       p: CostParams, head: str, padded: bool = False, o: StageOptions = NO_OPTIONS,
+                       memo: dict | None = None) -> StageEstimate:
+    """``memo``: as ``estimate_training``'s; configs that differ only in ZeRO stage (and recomputation,
+    which inference does not read) share their ``_InferShape``, and so do the stages of equal models
+    with the same head (the shape reads no role)."""
+    moe.check(model, cfg, "inference")
+    s = memoised(memo, ("inference", id(model), head, o, padded, cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.sp, cfg.cp, cfg.ep,
+                        cfg.etp, cfg.token_budget), lambda: _infer_shape(cluster, model, cfg, w, p, head, padded, o))
+    L, m, psi, z3 = model.layers, s.m, s.psi, cfg.zero >= 3
+    t = dict(s.t)
+    if z3:  # FSDP: every micro-batch's forward all-gathers the parameters again (resharded after it)
+        t["fsdp_gather"] = m * ag_s(psi * 2, cfg.dp, cluster, p, cfg.tp * cfg.pp)
+    if o.param_offload != "none":
+        t["param_offload"] = param_offload_s(psi / cfg.dp, o.param_offload, m, p,
+                                             bytes_per_param=4.0 if trainable(ms.partition("/")[0]) else model.dtype_bytes)
+    if z3:
+        t["fsdp_cpu_bound"] = fsdp_cpu_floor_s(m, s.layers_here, 1, sum(t.values()), p, training=False,
+                                               synced=o.pad_to > 0)
+    if p.infer_pass_overhead_s or p.infer_call_overhead_s:  # host overheads (0 on the GPU presets)
+        t["overhead"] = m * p.infer_pass_overhead_s * s.layers_here / L + p.infer_call_overhead_s
+    # ZeRO-3 / FSDP (verl's FSDP ref and actor): each rank keeps 1/dp of the weights and gathers the
+    # layer it computes (and the one prefetched) for the forward, as the time term above gathers them
+    resident = {"weights": model.dtype_bytes * psi / (cfg.dp if z3 else 1)}
+    transient = {"activations": s.act, "logits": s.logits, "workspace": p.workspace_gib * GiB}
+    if z3:
+        transient["fsdp_unsharded"] = fsdp_unsharded_bytes(psi, cfg, s.layers_here, model.dtype_bytes)
     return finish(ms, cfg, t, "inference", p, resident, transient, cluster)

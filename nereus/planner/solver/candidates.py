@@ -203,6 +203,7 @@ class _Estimator:
         self.j_sync = problem.job if problem.job.schedule == SYNC else replace(problem.job, schedule=SYNC)
         self.unit = replace(p, stage_factor=UNIT_FACTORS)
         self.prefix, self.prefix_sync = self._prefix(self.j), self._prefix(self.j_sync)
+        self.memo: dict = {}  # estimate's shared terms, for this problem's (job, cluster, workload, unit params)
 
     def _prefix(self, job) -> int:
         key = (job, self.c, self.w, self.unit)
@@ -221,7 +222,7 @@ class _Estimator:
             if len(_estimates) > ESTIMATE_CACHE_MAX:
                 _estimates.clear()
             e = _estimates[key] = estimate(self.j if gen else self.j_sync, self.c, model_stage, cfg, self.w, self.unit,
-                                           kv_budget_bytes=kv_budget_bytes)
+                                           kv_budget_bytes=kv_budget_bytes, memo=self.memo)
         f = self.p.factor(model_stage.partition("/")[2])
         if f == 1.0:
             return e
@@ -244,6 +245,7 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
     cs = problem.candidates
     trainable = len(unit.stages) == 2
     per_rank = w.sequences / (j.batch.mini_batches if trainable else 1)
+    offloads = cs.offload if trainable else (False,)
     out: list[Option] = []
     infer_cache: dict = {}
     for tp, pp in layouts(problem, unit, size):
@@ -264,11 +266,13 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
                                          **({"ep": ep, "etp": etp} if model.is_moe else {}))
                     ests = [est(unit.stages[0], cfg)]
                     if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
+                        if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
+                            continue  # training alone overfills a GPU: _option drops it whatever inference adds
                         key = (tp, pp, mb, sp, cp, zero >= 3, ep, etp)
                         if key not in infer_cache:
                             infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])
-                    for off in (cs.offload if trainable else (False,)):
+                    for off in offloads:
                         opt = _option(ui, unit, size, cfg, ests, n_phases, cap, off, p)
                         if opt is not None:
                             out.append(opt)
@@ -279,12 +283,10 @@ def _option(ui: int, unit: Unit, size: int, cfg: ParallelConfig, ests, n_phases:
             p) -> Option | None:
     """One option from its stage estimates; offload moves the optimizer state to the host and adds
     its transfer time to the training stage."""
-    resident = ests[0].resident_bytes
+    resident = _resident(ests[0], offload)
     times = [e.time_s for e in ests]
     if offload:
-        opt_bytes = ests[0].mem_breakdown.get("optimizer", 0.0)
-        resident -= opt_bytes
-        times[0] += offload_s(opt_bytes, p)
+        times[0] += offload_s(ests[0].mem_breakdown.get("optimizer", 0.0), p)
     transient = max(e.transient_bytes for e in ests)
     if resident + transient > cap or not all(math.isfinite(x) for x in times):
         return None
@@ -293,6 +295,11 @@ def _option(ui: int, unit: Unit, size: int, cfg: ParallelConfig, ests, n_phases:
         durs[ph] += x
     return Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=tuple(times),
                   resident_kib=_kib(resident), transient_kib=_kib(transient), offload=offload)
+
+
+def _resident(e, offload: bool) -> float:
+    """Resident bytes of a stage estimate, less its optimizer state when that is kept in host memory."""
+    return e.resident_bytes - e.mem_breakdown.get("optimizer", 0.0) if offload else e.resident_bytes
 
 
 def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
@@ -332,26 +339,24 @@ def _axes(o: Option) -> tuple:
 
 def prune_dominated(opts: list[Option]) -> list[Option]:
     """Drop options no better than another on every axis (time per phase, resident, transient,
-    weight sync); among exact ties keep the first. An option can only be dominated by one that
-    sorts before it, so one pass over the sorted list against the kept ones suffices."""
+    weight sync); among exact ties keep the first. In the order of (axes, index) an option can only
+    be dominated by one before it, and whatever dominates a dropped one dominates what it dominated,
+    so an option goes exactly when an earlier one in that order is <= on every axis: row j <= row i
+    everywhere, and not an exact tie with j after i (all pairs at once)."""
     if not opts:
         return []
     axes = [_axes(o) for o in opts]
-    order = sorted(range(len(opts)), key=lambda i: (axes[i], i))
-    width = max(len(a) for a in axes)
-    kept = np.empty((len(opts), width))  # rows of the options kept so far, compared at once
-    n_kept = 0
-    keep_idx = []
-    for i in order:
-        a = axes[i]
-        if len(a) != width:  # options of one unit and size share their axes; keep the general path exact
-            return _prune_dominated_loop(opts)
-        if n_kept and bool((kept[:n_kept] <= np.asarray(a)).all(axis=1).any()):
-            continue
-        kept[n_kept] = a
-        n_kept += 1
-        keep_idx.append(i)
-    return [opts[i] for i in sorted(keep_idx)]
+    width = len(axes[0])
+    if any(len(a) != width for a in axes):  # options of one unit and size share their axes; keep the general path exact
+        return _prune_dominated_loop(opts)
+    a = np.asarray(axes, dtype=float)
+    n = len(opts)
+    le = np.ones((n, n), dtype=bool)  # le[i, j]: option j <= option i on every axis
+    for k in range(width):
+        le &= a[None, :, k] <= a[:, None, k]
+    later = np.triu(np.ones((n, n), dtype=bool))  # j >= i
+    dominated = (le & ~(le.T & later)).any(axis=1)
+    return [o for o, d in zip(opts, dominated) if not d]
 
 
 def _prune_dominated_loop(opts: list[Option]) -> list[Option]:
