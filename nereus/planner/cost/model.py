@@ -94,9 +94,11 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
     the caller keeps while it prices many configs of one (job, cluster, workload, params), the option
     tables' thousands: a layout is checked once, and the terms that configs differing only in ZeRO
     stage and recomputation share are computed once (same numbers as without it)."""
-    model = _checked(job, cluster, model_stage, cfg) if memo is None else \
-        memoised(memo, ("checked", model_stage, cfg.tp, cfg.pp, cfg.gpus, cfg.sp),
-                 lambda: _first_equal(job, _checked(job, cluster, model_stage, cfg)))
+    if memo is None:
+        model = _checked(job, cluster, model_stage, cfg)
+    else:
+        model = memoised(memo, ("checked", model_stage, cfg.tp, cfg.pp, cfg.gpus, cfg.sp),
+                         lambda: _first_equal(job, _checked(job, cluster, model_stage, cfg)))
     w = workload or job.workload()
     p = params or CostParams()
     role, _, stage = model_stage.partition("/")

@@ -204,6 +204,7 @@ class _Estimator:
         self.unit = replace(p, stage_factor=UNIT_FACTORS)
         self.prefix, self.prefix_sync = self._prefix(self.j), self._prefix(self.j_sync)
         self.memo: dict = {}  # estimate's shared terms, for this problem's (job, cluster, workload, unit params)
+        self.factors = {ms: p.factor(ms.partition("/")[2]) for ms in problem.job.model_stages()}
 
     def _prefix(self, job) -> int:
         key = (job, self.c, self.w, self.unit)
@@ -223,7 +224,9 @@ class _Estimator:
                 _estimates.clear()
             e = _estimates[key] = estimate(self.j if gen else self.j_sync, self.c, model_stage, cfg, self.w, self.unit,
                                            kv_budget_bytes=kv_budget_bytes, memo=self.memo)
-        f = self.p.factor(model_stage.partition("/")[2])
+        f = self.factors.get(model_stage)
+        if f is None:
+            f = self.p.factor(model_stage.partition("/")[2])
         if f == 1.0:
             return e
         return replace(e, time_s=sum(v * f for v in e.time_breakdown.values()),
@@ -235,18 +238,25 @@ def _kib(x: float) -> int:
 
 
 def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
-                 sync_keys: tuple) -> list[Option]:
+                 sync_keys: tuple, est: _Estimator | None = None) -> list[Option]:
     """Every memory-feasible option of ``unit`` on a pool of ``size`` GPUs (before dominance)."""
+    return [Option(unit=ui, size=size, **kw) for _, kw in _option_rows(problem, unit, size, n_phases, sync_keys, est)]
+
+
+def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,
+                 est: _Estimator | None = None) -> list[tuple[tuple, dict]]:
+    """``unit_options`` as (dominance axes, fields of the Option) rows: the tables build an Option
+    only for the rows no other one dominates (``_undominated``)."""
+    est = est or _Estimator(problem)
     if unit.name == GEN:
-        return _generation_options(problem, ui, unit, size, n_phases, sync_keys)
+        return _generation_options(problem, unit, size, n_phases, sync_keys, est)
     j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
-    est = _Estimator(problem)
     cap = c.gpu.usable_bytes
     cs = problem.candidates
     trainable = len(unit.stages) == 2
     per_rank = w.sequences / (j.batch.mini_batches if trainable else 1)
     offloads = cs.offload if trainable else (False,)
-    out: list[Option] = []
+    out: list[tuple[tuple, dict]] = []
     infer_cache: dict = {}
     for tp, pp in layouts(problem, unit, size):
         dp = size // (tp * pp)
@@ -273,28 +283,29 @@ def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases:
                             infer_cache[key] = est(unit.stages[1], cfg)
                         ests.append(infer_cache[key])
                     for off in offloads:
-                        opt = _option(ui, unit, size, cfg, ests, n_phases, cap, off, p)
-                        if opt is not None:
-                            out.append(opt)
+                        row = _option(unit, cfg, ests, n_phases, cap, off, p)
+                        if row is not None:
+                            out.append(row)
     return out
 
 
-def _option(ui: int, unit: Unit, size: int, cfg: ParallelConfig, ests, n_phases: int, cap: float, offload: bool,
-            p) -> Option | None:
-    """One option from its stage estimates; offload moves the optimizer state to the host and adds
-    its transfer time to the training stage."""
+def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, offload: bool,
+            p) -> tuple[tuple, dict] | None:
+    """One option's row from its stage estimates; offload moves the optimizer state to the host and
+    adds its transfer time to the training stage."""
     resident = _resident(ests[0], offload)
     times = [e.time_s for e in ests]
     if offload:
         times[0] += offload_s(ests[0].mem_breakdown.get("optimizer", 0.0), p)
-    transient = max(e.transient_bytes for e in ests)
-    if resident + transient > cap or not all(math.isfinite(x) for x in times):
+    transient = max([e.transient_bytes for e in ests])
+    if resident + transient > cap or not all(map(math.isfinite, times)):
         return None
     durs = [0.0] * n_phases
     for x, ph in zip(times, unit.phases):
         durs[ph] += x
-    return Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=tuple(times),
-                  resident_kib=_kib(resident), transient_kib=_kib(transient), offload=offload)
+    res, tra = _kib(resident), _kib(transient)
+    return (*durs, res, tra), dict(config=cfg, durations=tuple(durs), stage_times=tuple(times), resident_kib=res,
+                                   transient_kib=tra, offload=offload)
 
 
 def _resident(e, offload: bool) -> float:
@@ -302,22 +313,22 @@ def _resident(e, offload: bool) -> float:
     return e.resident_bytes - e.mem_breakdown.get("optimizer", 0.0) if offload else e.resident_bytes
 
 
-def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
-                        sync_keys: tuple) -> list[Option]:
+def _generation_options(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,
+                        est: _Estimator) -> list[tuple[tuple, dict]]:
     """Generation at each KV budget level up to the first that holds the peak KV demand: a larger
     pool runs the same decode and takes longer to create again at every wake-up
     (``engine_wake_s``), so the smallest sufficient level dominates the ones above it."""
     j, c, p = problem.job, problem.cluster, problem.params
-    est = _Estimator(problem)
     model = j.model("actor")
-    out: list[Option] = []
+    trains = [(ParallelConfig(dp=ts), col) for ts, col in sync_keys]
+    out: list[tuple[tuple, dict]] = []
     for tp, pp, ep in ((tp, pp, ep) for tp, pp in layouts(problem, unit, size)
                        for ep, _ in expert_layouts(model, tp, size // (tp * pp), "generation")):
         cfg = ParallelConfig(tp=tp, pp=pp, dp=size // (tp * pp), **({"ep": ep} if ep > 1 else {}))
         base = est(GEN, cfg)
         full = c.gpu.usable_bytes * engine_memory_util(j, p) - base.mem_breakdown["weights"] - base.mem_breakdown["workspace"]
         demand = base.mem_breakdown["kv_cache"] if base.waves == 1 and math.isfinite(base.time_s) else math.inf
-        sync = tuple(weight_sync_s(model, ParallelConfig(dp=ts), cfg, c, col, p) for ts, col in sync_keys)
+        sync = tuple(weight_sync_s(model, train, cfg, c, col, p) for train, col in trains)
         for f in sorted(problem.candidates.kv_fractions):
             budget = full * f
             e = base if f == 1.0 else est(GEN, cfg, kv_budget_bytes=budget)
@@ -325,9 +336,10 @@ def _generation_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_
                 continue
             durs = [0.0] * n_phases
             durs[unit.phases[0]] = e.time_s
-            out.append(Option(unit=ui, size=size, config=cfg, durations=tuple(durs), stage_times=(e.time_s,),
-                              resident_kib=_kib(e.resident_bytes), transient_kib=_kib(e.transient_bytes),
-                              kv_budget_bytes=budget, sync=sync))
+            res, tra = _kib(e.resident_bytes), _kib(e.transient_bytes)
+            out.append(((*durs, res, tra, *sync), dict(config=cfg, durations=tuple(durs), stage_times=(e.time_s,),
+                                                        resident_kib=res, transient_kib=tra, kv_budget_bytes=budget,
+                                                        sync=sync)))
             if budget >= demand:
                 break
     return out
@@ -339,37 +351,40 @@ def _axes(o: Option) -> tuple:
 
 def prune_dominated(opts: list[Option]) -> list[Option]:
     """Drop options no better than another on every axis (time per phase, resident, transient,
-    weight sync); among exact ties keep the first. In the order of (axes, index) an option can only
-    be dominated by one before it, and whatever dominates a dropped one dominates what it dominated,
-    so an option goes exactly when an earlier one in that order is <= on every axis: row j <= row i
-    everywhere, and not an exact tie with j after i (all pairs at once)."""
-    if not opts:
+    weight sync); among exact ties keep the first."""
+    return [opts[i] for i in _undominated([_axes(o) for o in opts])]
+
+
+def _undominated(axes: list[tuple]) -> list[int]:
+    """Indices (ascending) of the rows ``prune_dominated`` keeps. In the order of (axes, index) a row
+    can only be dominated by one before it, and whatever dominates a dropped row dominates what that
+    one dominated, so a row goes exactly when an earlier one in that order is <= on every axis: row
+    j <= row i everywhere, and not an exact tie with j after i (all pairs at once)."""
+    if not axes:
         return []
-    axes = [_axes(o) for o in opts]
     width = len(axes[0])
-    if any(len(a) != width for a in axes):  # options of one unit and size share their axes; keep the general path exact
-        return _prune_dominated_loop(opts)
+    if any(len(a) != width for a in axes):  # rows of one unit and size share their axes; keep the general path exact
+        return _undominated_loop(axes)
     a = np.asarray(axes, dtype=float)
-    n = len(opts)
-    le = np.ones((n, n), dtype=bool)  # le[i, j]: option j <= option i on every axis
+    n = len(axes)
+    le = np.ones((n, n), dtype=bool)  # le[i, j]: row j <= row i on every axis
     for k in range(width):
         le &= a[None, :, k] <= a[:, None, k]
     later = np.triu(np.ones((n, n), dtype=bool))  # j >= i
-    dominated = (le & ~(le.T & later)).any(axis=1)
-    return [o for o, d in zip(opts, dominated) if not d]
+    return np.flatnonzero(~(le & ~(le.T & later)).any(axis=1)).tolist()
 
 
-def _prune_dominated_loop(opts: list[Option]) -> list[Option]:
-    order = sorted(range(len(opts)), key=lambda i: (_axes(opts[i]), i))
+def _undominated_loop(axes: list[tuple]) -> list[int]:
+    order = sorted(range(len(axes)), key=lambda i: (axes[i], i))
     kept: list[tuple] = []
     keep_idx = []
     for i in order:
-        a = _axes(opts[i])
+        a = axes[i]
         if any(all(y <= x for x, y in zip(a, b)) for b in kept):
             continue
         kept.append(a)
         keep_idx.append(i)
-    return [opts[i] for i in sorted(keep_idx)]
+    return sorted(keep_idx)
 
 
 def fixed_sizes(problem: PlanProblem) -> tuple[int, ...]:
@@ -406,10 +421,12 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
     n_phases = len(problem.job.phases())
     sync_keys = tuple((s, col) for s in sizes for col in (False, True))
     options = []
+    est = _Estimator(problem)
     for ui, u in enumerate(units):
         opts: list[Option] = []
         for s in sizes:
-            opts += prune_dominated(unit_options(problem, ui, u, s, n_phases, sync_keys))
+            rows = _option_rows(problem, u, s, n_phases, sync_keys, est)
+            opts += [Option(unit=ui, size=s, **rows[i][1]) for i in _undominated([a for a, _ in rows])]
         options.append(tuple(opts))
     return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
                   num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys, schedule=problem.job.schedule)
