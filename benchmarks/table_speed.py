@@ -1,9 +1,11 @@
-"""Option-table and cold-solve CPU time of the 8B PPO job at 1,024 GPUs, two checkouts side by side.
+"""Option-table and cold-solve CPU time of the 8B and 70B PPO jobs at 1,024 GPUs, two checkouts side by side.
 
 Each measurement (the tables alone; the whole cpsat solve) runs in a fresh subprocess of the
 checkout (its own imports and empty caches; solver libraries imported before the clock starts),
 alternating before / after so load drifts hit both. CPU time is ``time.process_time`` of this
-process plus its children (CBC is not used: backend cpsat). Prints JSON; --json writes it too.
+process plus its children (CBC is not used: backend cpsat): the steady figure on a shared machine;
+wall time is beside it, with the 1-minute load average before and after every run. Prints JSON;
+--json writes it too.
 
     .venv/bin/python benchmarks/table_speed.py --before /tmp/wt-before [--after .] [--runs 5] [--json OUT]
 """
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+JOBS = ("examples/ppo-8b.yaml", "examples/ppo-70b.yaml")
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -28,7 +31,7 @@ from nereus.planner.solver import PlanProblem, solve, candidates
 from nereus.planner.solver.candidates import _build_tables_cached, build_tables
 from nereus.planner.specs import load_cluster, load_job
 import ortools.sat.python.cp_model  # noqa: F401  (imported before the clock, as plan_scaling does)
-job = load_job(root / "examples/ppo-8b.yaml")
+job = load_job(root / sys.argv[3])
 cluster = load_cluster(root / "examples/cluster-h100-1n.yaml").with_gpus(1024)
 problem = PlanProblem(job=job, cluster=cluster, workload=job.workload())
 def cold():
@@ -48,14 +51,15 @@ else:
 """
 
 
-def one(checkout: Path) -> dict:
+def one(checkout: Path, job: str) -> dict:
     """The option tables and the whole solve, each in a fresh process (no cache of the other)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    row = {}
+    row = {"load_1m_before": os.getloadavg()[0]}
     for what in ("tables", "solve"):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(checkout), what], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", CHILD, str(checkout), what, job], capture_output=True, text=True,
                              env=env, check=True, cwd=checkout).stdout
         row.update(json.loads(out.strip().splitlines()[-1]))
+    row["load_1m_after"] = os.getloadavg()[0]
     return row
 
 
@@ -70,26 +74,40 @@ def main() -> None:
     ap.add_argument("--before", type=Path, required=True)
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--jobs", nargs="*", default=list(JOBS))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     load = [os.getloadavg()]
-    runs = {"before": [], "after": []}
+    runs = {job: {"before": [], "after": []} for job in a.jobs}
     for _ in range(a.runs):
-        for name, path in (("before", a.before), ("after", a.after)):
-            runs[name].append(one(path.resolve()))
-            load.append(os.getloadavg())
-    objs = {name: sorted({r["objective"] for r in rs}) for name, rs in runs.items()}
-    res = {"job": "examples/ppo-8b.yaml", "gpus": 1024, "backend": "cpsat", "workers": 1, "runs": a.runs,
+        for job in a.jobs:
+            for name, path in (("before", a.before), ("after", a.after)):
+                runs[job][name].append(one(path.resolve(), job))
+                load.append(os.getloadavg())
+    jobs = {}
+    for job, sides in runs.items():
+        objs = {name: sorted({r["objective"] for r in rs}) for name, rs in sides.items()}
+        jobs[job] = {"objectives_identical": objs["before"] == objs["after"], "objectives": objs,
+                     "options": {name: sorted({r["options"] for r in rs}) for name, rs in sides.items()},
+                     "before": summary(sides["before"]), "after": summary(sides["after"]), "rows": sides}
+    res = {"gpus": 1024, "backend": "cpsat", "workers": 1, "runs": a.runs,
+           "steady_figure": "tables_cpu_s / solve_cpu_s (time.process_time); wall beside it",
            "before_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.before, capture_output=True,
                                            text=True).stdout.strip(),
            "after_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.after, capture_output=True,
                                           text=True).stdout.strip(),
            "load_avg_1_5_15": {"min_1m": min(x[0] for x in load), "max_1m": max(x[0] for x in load),
                                "start": load[0], "end": load[-1]},
-           "objectives_identical": objs["before"] == objs["after"], "objectives": objs,
-           "before": summary(runs["before"]), "after": summary(runs["after"]), "rows": runs}
+           "jobs": jobs}
     text = json.dumps(res, indent=1)
     print(text)
+    for job, r in jobs.items():
+        b, f = r["before"], r["after"]
+        print(f"{job}: tables cpu {b['tables_cpu_s']['median']:.3f} -> {f['tables_cpu_s']['median']:.3f} s "
+              f"(wall {b['tables_wall_s']['median']:.3f} -> {f['tables_wall_s']['median']:.3f}); solve cpu "
+              f"{b['solve_cpu_s']['median']:.3f} -> {f['solve_cpu_s']['median']:.3f} s (wall "
+              f"{b['solve_wall_s']['median']:.3f} -> {f['solve_wall_s']['median']:.3f}); objectives identical: "
+              f"{r['objectives_identical']}", file=sys.stderr)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(text + "\n")

@@ -4,6 +4,7 @@ actor's per-step weight sync. The alpha-beta primitives themselves are in ``para
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost.params import CostParams, allgather_s, allreduce_s, alltoall_s, p2p_s
@@ -95,10 +96,15 @@ def pp_hops_s(nbytes: float, tp: int, pp: int, cluster: ClusterSpec, p: CostPara
     if pp <= 1 or nbytes <= 0:
         return 0.0
     intra, inter = links(cluster, p)
-    g = cluster.gpus_per_node
-    cross = sum(1 for s in range(1, pp) if (s * tp) // g != (s * tp - 1) // g)
-    if nodes_spanned(cluster, tp * pp, 1) > 1:
-        cross += 1  # the wrap-around hop, last stage back to the first
-    cross = min(cross, pp)
+    cross = _node_crossings(tp, pp, cluster.gpus_per_node)
     far = p2p_s(nbytes, inter, max(p.p2p_latency_s, p.inter_latency_s))
     return cross * far + (pp - cross) * p2p_s(nbytes, intra, p.p2p_latency_s)
+
+
+@lru_cache(maxsize=1024)
+def _node_crossings(tp: int, pp: int, g: int) -> int:
+    """Hops of ``pp_hops_s``'s round whose two stages lie on different nodes of ``g`` GPUs."""
+    cross = sum(1 for s in range(1, pp) if (s * tp) // g != (s * tp - 1) // g)
+    if -(-(tp * pp) // g) > 1:  # the replica spans nodes (``nodes_spanned``)
+        cross += 1  # the wrap-around hop, last stage back to the first
+    return min(cross, pp)

@@ -132,13 +132,16 @@ def reserve_bytes(e: "StageEstimate") -> float:
 def finish(ms: str, cfg: ParallelConfig, t: dict[str, float], stage: str, p: CostParams,
             resident: dict[str, float], transient: dict[str, float], cluster: ClusterSpec,
             waves: int = 1, notes: tuple[str, ...] = ()) -> StageEstimate:
+    """The estimate of time terms ``t`` and memory terms ``resident`` / ``transient`` (dicts the
+    caller built for this estimate: the reserve is added to them in place), the times scaled by the
+    stage's calibration factor."""
     f = p.factor(stage)
     if f != 1.0:  # (v * 1.0 is v: the option tables price at unit factors and scale afterwards)
         t = {k: v * f for k, v in t.items()}
     if stage in RESERVED_STAGES and p.mem_reserve_frac > 0:  # the held-out memory error, kept free
-        r = p.mem_reserve_frac
-        resident = {**resident, "reserve_resident": r * sum(resident.values())}
-        transient = {**transient, "reserve_transient": r * sum(transient.values())}
+        r = p.mem_reserve_frac  # (the dicts are the caller's own, built for this estimate)
+        resident["reserve_resident"] = r * sum(resident.values())
+        transient["reserve_transient"] = r * sum(transient.values())
     return StageEstimate(ms, cfg, sum(t.values()), t, sum(resident.values()), sum(transient.values()),
                          {**resident, **transient}, cluster.gpu.usable_bytes, waves, notes)
 

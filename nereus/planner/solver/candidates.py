@@ -205,6 +205,17 @@ class _Estimator:
         self.prefix, self.prefix_sync = self._prefix(self.j), self._prefix(self.j_sync)
         self.memo: dict = {}  # estimate's shared terms, for this problem's (job, cluster, workload, unit params)
         self.factors = {ms: p.factor(ms.partition("/")[2]) for ms in problem.job.model_stages()}
+        self.configs: dict[tuple, ParallelConfig] = {}
+
+    def config(self, *key: int | bool) -> ParallelConfig:
+        """ParallelConfig(tp, pp, dp, micro_batch, zero, recompute, sp, cp, ep, etp), one object per
+        config for the whole build (units of equal models enumerate the same ones)."""
+        c = self.configs.get(key)
+        if c is None:
+            tp, pp, dp, mb, zero, rc, sp, cp, ep, etp = key
+            c = self.configs[key] = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc,
+                                                   sp=sp, cp=cp, ep=ep, etp=etp)
+        return c
 
     def _prefix(self, job) -> int:
         key = (job, self.c, self.w, self.unit)
@@ -272,8 +283,7 @@ def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, syn
                 if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
                     continue
                 for rc in (cs.recompute if trainable else (False,)):
-                    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=rc, sp=sp, cp=cp,
-                                         **({"ep": ep, "etp": etp} if model.is_moe else {}))
+                    cfg = est.config(tp, pp, dp, mb, zero, rc, sp, cp, ep, etp)
                     ests = [est(unit.stages[0], cfg)]
                     if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
                         if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
