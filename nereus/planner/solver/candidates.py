@@ -314,8 +314,8 @@ def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, of
     for x, ph in zip(times, unit.phases):
         durs[ph] += x
     res, tra = _kib(resident), _kib(transient)
-    return (*durs, res, tra), dict(config=cfg, durations=tuple(durs), stage_times=tuple(times), resident_kib=res,
-                                   transient_kib=tra, offload=offload)
+    return (*durs, res, tra), {"config": cfg, "durations": tuple(durs), "stage_times": tuple(times),
+                               "resident_kib": res, "transient_kib": tra, "offload": offload}
 
 
 def _resident(e, offload: bool) -> float:
@@ -347,9 +347,9 @@ def _generation_options(problem: PlanProblem, unit: Unit, size: int, n_phases: i
             durs = [0.0] * n_phases
             durs[unit.phases[0]] = e.time_s
             res, tra = _kib(e.resident_bytes), _kib(e.transient_bytes)
-            out.append(((*durs, res, tra, *sync), dict(config=cfg, durations=tuple(durs), stage_times=(e.time_s,),
-                                                        resident_kib=res, transient_kib=tra, kv_budget_bytes=budget,
-                                                        sync=sync)))
+            out.append(((*durs, res, tra, *sync), {"config": cfg, "durations": tuple(durs), "stage_times": (e.time_s,),
+                                                    "resident_kib": res, "transient_kib": tra,
+                                                    "kv_budget_bytes": budget, "sync": sync}))
             if budget >= demand:
                 break
     return out
