@@ -23,3 +23,17 @@ def test_option_tables_equal_the_pin(name):
 
 def test_the_pin_covers_every_problem():
     assert set(PINNED) == set(PROBLEMS) and set(CHEAP) <= set(PROBLEMS)
+
+
+def test_all_pairs_dominance_equals_the_sequential_scan():
+    """``_undominated`` (all pairs at once) keeps exactly what the scan over the sorted rows keeps,
+    exact ties and rows equal on some axes included."""
+    import numpy as np
+
+    from nereus.planner.solver.candidates import _undominated, _undominated_loop
+
+    rng = np.random.default_rng(0)
+    for n, width in ((1, 3), (2, 2), (40, 3), (200, 5), (300, 19)):
+        for levels in (3, 50):
+            rows = [tuple(float(x) for x in r) for r in rng.integers(0, levels, (n, width))]
+            assert _undominated(rows) == _undominated_loop(rows)
