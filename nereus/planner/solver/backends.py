@@ -32,19 +32,22 @@ def solve_cpsat(m: LinModel, t_hi: float, time_limit_s: float, workers: int, see
         else:
             s = sc[v.kind]
             xs.append(model.new_int_var(math.floor(v.lo * s), math.ceil(v.hi * s), v.name))
+    vscale = [sc[v.kind] for v in m.vars]
+    weighted = cp_model.LinearExpr.weighted_sum
     for c in m.cons:
         s = sc[c.kind] if c.kind != "count" else 1.0
-        expr = sum(round(coef * s / sc[m.vars[v].kind]) * xs[v] for v, coef in c.terms)
+        expr = weighted([xs[v] for v, _ in c.terms], [round(coef * s / vscale[v]) for v, coef in c.terms])
         rhs = c.rhs * s
         if c.sense == "<=":
-            ct = model.add(expr <= math.floor(rhs + 1e-9))
+            ct = model.add_linear_constraint(expr, -cp_model.INT_MAX, math.floor(rhs + 1e-9))
         elif c.sense == ">=":
-            ct = model.add(expr >= math.ceil(rhs - 1e-9))
+            ct = model.add_linear_constraint(expr, math.ceil(rhs - 1e-9), cp_model.INT_MAX)
         else:
-            ct = model.add(expr == round(rhs))
+            ct = model.add_linear_constraint(expr, round(rhs), round(rhs))
         if c.enforce:
             ct.only_enforce_if([xs[e] for e in c.enforce])
-    model.minimize(sum(round(coef * sc["time"] / sc[m.vars[v].kind]) * xs[v] for v, coef in m.objective))
+    model.minimize(weighted([xs[v] for v, _ in m.objective],
+                            [round(coef * sc["time"] / vscale[v]) for v, coef in m.objective]))
     for v, val in m.hint.items():
         model.add_hint(xs[v], int(round(val)))
     solver = cp_model.CpSolver()

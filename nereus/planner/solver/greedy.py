@@ -1,63 +1,202 @@
-"""Greedy baseline (and CP-SAT hint): a few pool templates, each filled by local search.
+"""Greedy baseline (and CP-SAT hint): a few pool templates, each filled by local search; and
+``tighten``, the bound pruning of ``candidates.prune_by_bound`` iterated to its fixpoint.
 
 Per template: start every unit at its most memory-frugal option of the slot's size, then apply the
 best single-unit option change that keeps memory feasible and lowers the step time, until none
-does. Fast and usually good; it proves nothing (its gap is reported against no bound).
+does (each unit's options are scored at once, with numpy, against the others' current choices).
+Fast and usually good; it proves nothing (its gap is reported against no bound).
 """
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import replace
+
+import numpy as np
+
 from nereus.planner.solver.assignment import Assignment, objective
-from nereus.planner.solver.candidates import Tables, prune_by_bound
+from nereus.planner.solver.candidates import ACTOR, GEN, Tables
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, greedy_templates
 
+BOUND_SLACK = 1e-9
+"""Relative slack of the bound test, as in ``candidates.prune_by_bound``: ties are kept."""
+
+
+def _step(t: Tables, ms, sync):
+    """``schedules.step_time`` on numpy columns (the same float operations in the same order)."""
+    if not t.schedule.is_async:
+        total = 0
+        for x in ms:
+            total = total + x
+        return total + sync
+    trainer = 0
+    for x in ms[1:]:
+        trainer = trainer + x
+    return np.maximum(ms[0], trainer) + sync / (t.schedule.sync_every if t.schedule.kind == "fully_async" else 1)
+
+
+def _prune_pass(t: Tables, upper: float) -> Tables:
+    """One pass of ``candidates.prune_by_bound`` (the same bound, computed per unit with numpy)."""
+    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
+    n, N, P = len(t.units), t.num_gpus, t.n_phases
+    dur = [np.array([o.durations for o in opts], dtype=float).reshape(len(opts), P) for opts in t.options]
+    size = [np.array([o.size for o in opts], dtype=float) for opts in t.options]
+    fastest = [[float(d[:, ph].min()) if len(d) else 0.0 for d in dur] for ph in range(P)]
+    area = [[float((d[:, ph] * s).min()) if len(d) else 0.0 for d, s in zip(dur, size)] for ph in range(P)]
+    min_sync = min((min(o.sync) for o in t.options[g]), default=0.0)
+    sync_for_size = {s: min((t.sync_s(o, s, col) for o in t.options[g] for col in (False, True)), default=0.0)
+                     for s in t.sizes}
+    limit = upper * (1 + BOUND_SLACK)
+    out = []
+    for u, opts in enumerate(t.options):
+        if not opts:
+            out.append(opts)
+            continue
+        others = [v for v in range(n) if v != u]
+        lbs = []
+        for ph in range(P):
+            rest = sum(area[ph][v] for v in others)
+            col = np.maximum(dur[u][:, ph], (dur[u][:, ph] * size[u] + rest) / N)
+            lbs.append(np.maximum(col, max(fastest[ph][v] for v in others)) if others else col)
+        if u == g:
+            sync = np.array([min(o.sync) for o in opts])
+        elif u == tr:
+            sync = np.array([sync_for_size[o.size] for o in opts])
+        else:
+            sync = min_sync
+        keep = _step(t, lbs, sync) <= limit
+        out.append(opts if keep.all() else tuple(o for o, k in zip(opts, keep) if k))
+    return replace(t, options=tuple(out))
+
+
+def tighten(t: Tables, upper: float) -> Tables:
+    """``prune_by_bound`` repeated until nothing more goes: each pass's fastest options and least
+    GPU-seconds are taken over the options still left, which any plan that can tie or beat
+    ``upper`` only uses, so every pass is exact and the fixpoint keeps every such plan."""
+    if not math.isfinite(upper):
+        return t
+    while True:
+        before = sum(len(o) for o in t.options)
+        t = _prune_pass(t, upper)
+        after = sum(len(o) for o in t.options)
+        if after == before or any(not o for o in t.options):
+            return t
+
+
+def skeleton_bound(t: Tables, sk: Skeleton) -> float:
+    """A lower bound on the step time of any fill of ``sk``: every unit at its fastest option of its
+    slot's size in every phase, every slot's covering units summed, the cheapest weight sync."""
+    a = Assignment(slot_size=sk.slot_size, slot_parent=sk.slot_parent, unit_slot=sk.unit_slot, unit_option=())
+    fast = []
+    for u, opts in enumerate(t.options):
+        size = sk.slot_size[sk.unit_slot[u]]
+        ds = [o.durations for o in opts if o.size == size]
+        if not ds:
+            return math.inf
+        fast.append([min(d[ph] for d in ds) for ph in range(t.n_phases)])
+    ms = [0.0] * t.n_phases
+    for k in set(sk.unit_slot):
+        cov = [u for u in range(len(t.units)) if a.covers(u, k)]
+        for ph in range(t.n_phases):
+            ms[ph] = max(ms[ph], sum(fast[u][ph] for u in cov))
+    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
+    gs = [o for o in t.options[g] if o.size == sk.slot_size[sk.unit_slot[g]]]
+    sync = min(t.sync_s(o, sk.slot_size[sk.unit_slot[tr]], a.overlap(g, tr)) for o in gs)
+    return float(_step(t, ms, sync))
+
 
 def _fill(t: Tables, sk: Skeleton, max_rounds: int = 50) -> tuple[float, Assignment] | None:
+    n = len(t.units)
     choices = []
-    for u in range(len(t.units)):
+    for u in range(n):
         size = sk.slot_size[sk.unit_slot[u]]
         opts = [o for o in t.options[u] if o.size == size]
         if not opts:
             return None
         choices.append(opts)
-    cur = [min(opts, key=lambda o: (o.resident_kib + o.transient_kib, sum(o.durations))) for opts in choices]
+    frame = Assignment(slot_size=sk.slot_size, slot_parent=sk.slot_parent, unit_slot=sk.unit_slot, unit_option=())
+    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
+    if t.schedule.is_async and any(frame.overlap(g, v) for v in range(n) if v != g):
+        return None  # an async plan's rollout pool is its own
+    slots = sorted(set(sk.unit_slot))
+    cov = np.array([[frame.covers(u, k) for u in range(n)] for k in slots], dtype=bool)  # slot x unit
+    dur = [np.array([o.durations for o in opts], dtype=float) for opts in choices]
+    res = [np.array([o.resident_kib for o in opts], dtype=np.int64) for opts in choices]
+    tra = [np.array([o.transient_kib for o in opts], dtype=np.int64) for opts in choices]
+    coloc = frame.overlap(g, tr)
+    gsync = np.array([t.sync_s(o, choices[tr][0].size, coloc) for o in choices[g]], dtype=float)
+    cur = [min(range(len(opts)), key=lambda i, opts=opts: (opts[i].resident_kib + opts[i].transient_kib,
+                                                           sum(opts[i].durations))) for opts in choices]
 
-    def make(options) -> Assignment:
-        return Assignment(slot_size=sk.slot_size, slot_parent=sk.slot_parent, unit_slot=sk.unit_slot,
-                          unit_option=tuple(options))
+    def make(idx) -> Assignment:
+        return replace(frame, unit_option=tuple(choices[u][i] for u, i in enumerate(idx)))
 
     best_obj, ok, _, _ = objective(t, make(cur))
-    if not ok:  # frugal start infeasible: try lowering memory of one unit at a time is already minimal
+    if not ok:  # the most frugal options already overflow some GPU
         return None
+    cap, P = t.capacity_kib, t.n_phases
     for _ in range(max_rounds):
+        d_now = np.array([dur[u][cur[u]] for u in range(n)])  # unit x phase
+        load = cov.astype(float) @ d_now  # slot x phase: summed durations of the covering units
+        r_now = np.array([res[u][cur[u]] for u in range(n)])
+        x_now = np.array([tra[u][cur[u]] for u in range(n)])
         move = None
-        for u, opts in enumerate(choices):
-            for o in opts:
-                if o is cur[u]:
-                    continue
-                trial = cur[:u] + [o] + cur[u + 1:]
-                obj, ok, _, _ = objective(t, make(trial))
-                if ok and obj < best_obj - 1e-12 and (move is None or obj < move[0]):
-                    move = (obj, u, o)
+        for u in range(n):
+            inside = cov[:, u]
+            rest_ms = load[~inside].max(axis=0) if (~inside).any() else np.zeros(P)
+            trial = load[inside][None, :, :] - d_now[u][None, None, :] + dur[u][:, None, :]  # opt x slot x phase
+            ms = np.maximum(trial.max(axis=1), rest_ms[None, :])
+            sync = gsync if u == g else gsync[cur[g]]
+            obj = _step(t, [ms[:, ph] for ph in range(P)], sync)
+            ok = np.ones(len(choices[u]), dtype=bool)
+            for row in np.flatnonzero(inside):  # memory of every slot whose GPUs u's pool covers
+                others = cov[row].copy()
+                others[u] = False
+                r = int(r_now[others].sum()) + res[u]
+                x = np.maximum(int(x_now[others].max()) if others.any() else 0, tra[u])
+                ok &= r + x <= cap
+            obj = np.where(ok, obj, np.inf)
+            obj[cur[u]] = np.inf
+            i = int(np.argmin(obj))
+            if obj[i] < best_obj - 1e-12 and (move is None or obj[i] < move[0]):
+                move = (float(obj[i]), u, i)
         if move is None:
             break
-        best_obj, u, o = move
-        cur[u] = o
+        _, u, i = move
+        cur[u] = i
+        best_obj = objective(t, make(cur))[0]
     return best_obj, make(cur)
+
+
+def _nested_splits(t: Tables) -> list[Skeleton]:
+    """The rollout on the whole cluster, the trainer units split over two halves inside it."""
+    n, N, g = len(t.units), t.num_gpus, t.unit_index(GEN)
+    if t.schedule.is_async or N // 2 not in t.sizes or N not in t.sizes or n < 3:
+        return []
+    trainers = [u for u in range(n) if u != g]
+    first, *others = trainers
+    out = []
+    for r in range(len(others)):
+        for pick in itertools.combinations(others, r):
+            group = {first, *pick}
+            out.append(Skeleton(slot_size=(N, N // 2, N // 2), slot_parent=(-1, 0, 0),
+                                unit_slot=tuple(0 if u == g else (1 if u in group else 2) for u in range(n))))
+    return out[:16]
 
 
 def greedy(problem: PlanProblem, t: Tables) -> tuple[float, Assignment, Skeleton] | None:
     """Best (objective, assignment, template) over the templates, or None if none fits.
 
-    The first template's answer bounds the step time, so options that cannot beat it are pruned
-    (candidates.prune_by_bound) before the remaining templates are searched."""
+    A template whose ``skeleton_bound`` cannot beat the best so far is skipped. (Filling on tables
+    pruned by the best so far was tried: the fills then start elsewhere and end worse.)"""
     best = None
     templates = greedy_templates(problem, t)
-    first = _fill(t, templates[0]) if templates else None
-    if first is not None:
-        best = (first[0], first[1], templates[0])
-        t = prune_by_bound(t, first[0])
-    for sk in templates[1:]:
+    if len(templates) > 1:  # free placement: also the nested splits
+        templates = templates + _nested_splits(t)
+    for i, sk in enumerate(templates):
+        if best is not None and skeleton_bound(t, sk) >= best[0]:
+            continue
         r = _fill(t, sk)
         if r is not None and (best is None or r[0] < best[0]):
             best = (r[0], r[1], sk)

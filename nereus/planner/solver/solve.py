@@ -12,9 +12,9 @@ from dataclasses import replace
 from nereus.errors import SpecError
 from nereus.planner.plan import Plan
 from nereus.planner.solver.assignment import check_structure, objective, to_plan
-from nereus.planner.solver.candidates import Tables, build_tables, prune_by_bound
+from nereus.planner.solver.candidates import Tables, build_tables
 from nereus.planner.solver.check import evaluate_plan
-from nereus.planner.solver.greedy import greedy
+from nereus.planner.solver.greedy import greedy, tighten
 from nereus.planner.solver.infeasible import explain_infeasible
 from nereus.planner.solver.problem import PlanProblem, PlanSolution, default_transition_cost
 from nereus.planner.solver.structure import placement_skeleton
@@ -41,7 +41,7 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     from nereus.planner.solver.formulation import Formulation
 
     if hint is not None:
-        t = prune_by_bound(t, hint[0])
+        t = tighten(t, hint[0])
     if t.schedule.is_async:  # one small exact model per rollout size (split.py)
         from nereus.planner.solver.split import solve_split
 
@@ -49,6 +49,8 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
         return solve_split(problem, t, hint, backend, time_limit_s, workers, seed, deterministic, warm)
     if backend == "cpsat" and sum(len(o) for o in t.options) > WARM_START_MIN_OPTIONS:
         hint = _warm_start(problem, t, hint, time_limit_s, workers, seed, deterministic)
+        if hint is not None:  # re-prune with the (usually better) objective of the warm start
+            t = tighten(t, hint[0])
     form = Formulation(problem, t)
     if hint is not None:
         form.set_hint(hint[1])
@@ -193,6 +195,8 @@ def _transition_aware(problem: PlanProblem, best: PlanSolution, backend: str, ti
     bound = best.bound if math.isfinite(best.bound) else math.nan
     proven = best.status == "OPTIMAL" and math.isfinite(bound) and obj <= bound * (1 + 1e-9)
     status = "OPTIMAL" if proven else "FEASIBLE"
+    if proven:  # the objective meets the bound within the backend's tolerance: report it met
+        bound = obj
     gap = 0.0 if proven else (max(0.0, (obj - bound) / obj) if math.isfinite(bound) else math.nan)
     wall = time.perf_counter() - t0
     plan = replace(plan, status=status, gap=gap, solve_s=wall, backend=backend,

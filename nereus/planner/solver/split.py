@@ -31,7 +31,8 @@ from dataclasses import replace
 
 from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
-from nereus.planner.solver.candidates import ACTOR, GEN, Tables, prune_by_bound
+from nereus.planner.solver.candidates import ACTOR, GEN, Tables
+from nereus.planner.solver.greedy import tighten
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, placement_skeleton
 
@@ -131,7 +132,7 @@ def solve_split(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_
             proven = False
             bound = min([bound] + [x[0] for x in order[i:]])
             break
-        tr = prune_by_bound(tr, upper)
+        tr = tighten(tr, upper)
         if any(not opts for opts in tr.options):
             bound = min(bound, upper)  # nothing at this size can beat the incumbent
             continue
