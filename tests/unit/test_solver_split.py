@@ -159,3 +159,35 @@ def test_split_solve_with_pulp_equals_brute_force(seed):
     assert pu.status == bf.status
     if bf.status != "INFEASIBLE":
         assert pu.status == "OPTIMAL" and pu.objective == pytest.approx(bf.objective, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 4, 6])
+@pytest.mark.parametrize("schedule", (ONE_STEP, FULLY2), ids=("one_step_off", "fully_async"))
+def test_tightening_a_rollout_size_over_its_trainer_gpus_keeps_its_optimum(seed, schedule):
+    """``greedy.tighten(tables_for(t, r), upper, rest=N - r)`` (the trainer phases' GPU-seconds over
+    the N - r GPUs the rollout leaves, what solve_split prunes each size with): with that size's own
+    optimum as the bound the tightened sub-problem has the same optimum; 10% below it, it is lost,
+    and counting the GPU-seconds over N - r prunes at least as much as over N."""
+    from nereus.planner.solver.greedy import tighten
+
+    problem = _async(seed, schedule, epochs=1 + seed % 2 * 8)
+    t = build_tables(problem)
+    g, N = t.unit_index(GEN), t.num_gpus
+    checked = 0
+    for r in sorted({o.size for o in t.options[g] if o.size < N}):
+        tr = tables_for(t, r)
+        if any(not o for o in tr.options):
+            continue
+        status, best = _full_model(problem, tr)
+        if best is None:
+            continue
+        kept = tighten(tr, best, rest=N - r)
+        assert sum(map(len, kept.options)) <= sum(map(len, tighten(tr, best).options))
+        status, again = _full_model(problem, kept)
+        assert status == "OPTIMAL" and again == pytest.approx(best, rel=1e-9), (r, best, again)
+        cut = tighten(tr, best * 0.9, rest=N - r)
+        if not any(not o for o in cut.options):
+            status, worse = _full_model(problem, cut)
+            assert worse is None or worse > best * (1 + 1e-9)
+        checked += 1
+    assert checked

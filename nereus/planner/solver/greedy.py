@@ -36,8 +36,10 @@ def _step(t: Tables, ms, sync):
     return np.maximum(ms[0], trainer) + sync / (t.schedule.sync_every if t.schedule.kind == "fully_async" else 1)
 
 
-def _prune_pass(t: Tables, upper: float) -> Tables:
-    """One pass of ``candidates.prune_by_bound`` (the same bound, computed per unit with numpy)."""
+def _prune_pass(t: Tables, upper: float, rest: int | None = None) -> Tables:
+    """One pass of ``candidates.prune_by_bound`` (the same bound, computed per unit with numpy).
+    ``rest``: an async sub-problem's trainer GPUs (N - r, ``split.py``): every unit but the rollout
+    runs on them, so the GPU-seconds of a trainer phase spread over ``rest`` GPUs, not N."""
     g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
     n, N, P = len(t.units), t.num_gpus, t.n_phases
     dur = [np.array([o.durations for o in opts], dtype=float).reshape(len(opts), P) for opts in t.options]
@@ -56,8 +58,9 @@ def _prune_pass(t: Tables, upper: float) -> Tables:
         others = [v for v in range(n) if v != u]
         lbs = []
         for ph in range(P):
-            rest = sum(area[ph][v] for v in others)
-            col = np.maximum(dur[u][:, ph], (dur[u][:, ph] * size[u] + rest) / N)
+            spread = sum(area[ph][v] for v in others)
+            gpus = N if rest is None or ph == 0 else rest
+            col = np.maximum(dur[u][:, ph], (dur[u][:, ph] * size[u] + spread) / gpus)
             lbs.append(np.maximum(col, max(fastest[ph][v] for v in others)) if others else col)
         if u == g:
             sync = np.array([min(o.sync) for o in opts])
@@ -70,15 +73,16 @@ def _prune_pass(t: Tables, upper: float) -> Tables:
     return replace(t, options=tuple(out))
 
 
-def tighten(t: Tables, upper: float) -> Tables:
+def tighten(t: Tables, upper: float, rest: int | None = None) -> Tables:
     """``prune_by_bound`` repeated until nothing more goes: each pass's fastest options and least
     GPU-seconds are taken over the options still left, which any plan that can tie or beat
-    ``upper`` only uses, so every pass is exact and the fixpoint keeps every such plan."""
+    ``upper`` only uses, so every pass is exact and the fixpoint keeps every such plan.
+    ``rest``: see ``_prune_pass`` (only for the tables of one rollout size, ``split.tables_for``)."""
     if not math.isfinite(upper):
         return t
     while True:
         before = sum(len(o) for o in t.options)
-        t = _prune_pass(t, upper)
+        t = _prune_pass(t, upper, rest)
         after = sum(len(o) for o in t.options)
         if after == before or any(not o for o in t.options):
             return t

@@ -45,7 +45,7 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     if t.schedule.is_async:  # one small exact model per rollout size (split.py)
         from nereus.planner.solver.split import solve_split
 
-        warm = _warm_start if backend == "cpsat" and sum(len(o) for o in t.options) > WARM_START_MIN_OPTIONS else None
+        warm = _warm_start_if_large if backend == "cpsat" else None
         return solve_split(problem, t, hint, backend, time_limit_s, workers, seed, deterministic, warm)
     if backend == "cpsat" and sum(len(o) for o in t.options) > WARM_START_MIN_OPTIONS:
         hint = _warm_start(problem, t, hint, time_limit_s, workers, seed, deterministic)
@@ -65,7 +65,7 @@ def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: fl
     return status, form.assignment(value), bound
 
 
-WARM_START_MIN_OPTIONS = 200
+WARM_START_MIN_OPTIONS = 300
 """Above this many options CP-SAT first solves a thinned model (``thin_options``) for its hint."""
 WARM_START_PER_SIZE = 8
 
@@ -110,6 +110,15 @@ def _warm_start(problem: PlanProblem, t: Tables, hint, time_limit_s: float, work
     if ok and (hint is None or obj < hint[0]):
         return obj, a, None
     return hint
+
+
+def _warm_start_if_large(problem: PlanProblem, t: Tables, hint, time_limit_s: float, workers: int, seed: int,
+                         deterministic: bool):
+    """``_warm_start`` when ``t`` (a rollout size's tables, already tightened) has more than
+    ``WARM_START_MIN_OPTIONS`` options; below that the model is solved at once without it."""
+    if sum(len(o) for o in t.options) <= WARM_START_MIN_OPTIONS:
+        return hint
+    return _warm_start(problem, t, hint, time_limit_s, workers, seed, deterministic)
 
 
 def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,

@@ -83,6 +83,37 @@ def _templates(t: Tables, r: int) -> list[Skeleton]:
         others = [u for u in range(n) if u != g]
         out.append(Skeleton(slot_size=(r,) + (apart,) * (n - 1), slot_parent=(-1,) * n,
                             unit_slot=tuple(0 if u == g else 1 + others.index(u) for u in range(n))))
+    return out + _nested_templates(t, r, together)
+
+
+def _nested_templates(t: Tables, r: int, together: int | None) -> list[Skeleton]:
+    """The trainable units on the trainer pool, the frozen ones (ref, reward) nested inside it:
+    together on one smaller pool, one inside the other, or side by side (what the optimum of PPO
+    70B on 64 GPUs looks like: actor + critic on 56, ref on 48 inside, reward on 32 inside that)."""
+    g, n = t.unit_index(GEN), len(t.units)
+    frozen = [u for u in range(n) if u != g and not t.units[u].name.endswith("/training")]
+    if together is None or not frozen or len(frozen) == n - 1:
+        return []
+    below = sorted((s for s in t.sizes if s < together), reverse=True)
+    out = []
+
+    def add(sizes, parents, slot_of):
+        out.append(Skeleton(slot_size=(r, together) + tuple(sizes), slot_parent=(-1, -1) + tuple(parents),
+                            unit_slot=tuple(0 if u == g else slot_of.get(u, 1) for u in range(n))))
+
+    for c in below[:2]:  # all frozen units on one pool inside the trainers'
+        add((c,), (1,), {u: 2 for u in frozen})
+    if len(frozen) == 2:
+        a, b = frozen
+        for c1 in below[:2]:  # one inside the other
+            for c2 in [s for s in below if s < c1][:2]:
+                add((c1, c2), (1, 2), {a: 2, b: 3})
+                add((c1, c2), (1, 2), {b: 2, a: 3})
+        pairs = [(x, y) for x in below for y in below if y <= x and x + y <= together][:2]
+        for c1, c2 in pairs:  # side by side
+            add((c1, c2), (1, 1), {a: 2, b: 3})
+            if c1 != c2:
+                add((c1, c2), (1, 1), {b: 2, a: 3})
     return out
 
 
@@ -108,9 +139,15 @@ def solve_split(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_
     # the templates place pools freely: with a placement constraint only the caller's greedy plan
     # (from its pinned templates) and the warm start (the formulation's own rules) may seed a size
     free = problem.constraints.placement == "any" and placement_skeleton(problem, t) is None
-    for lb, r, tr in subs:
+    for i, (lb, r, tr) in enumerate(subs):
         if best is not None and lb >= best[0]:
             continue
+        if best is not None:  # the incumbent prunes this size's tables, and its bound rises with them
+            tr = tighten(tr, best[0], rest=N - r)
+            lb = max(lb, split_bound(tr, r))
+            subs[i] = (lb, r, tr)  # a plan at r dropped here is slower than the incumbent: still a bound
+            if lb >= best[0]:
+                continue
         h = _greedy_fill(tr, r) if free else None
         if best is not None and best[1].unit_option[g].size == r and (h is None or best[0] < h[0]):
             h = best
@@ -132,7 +169,7 @@ def solve_split(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_
             proven = False
             bound = min([bound] + [x[0] for x in order[i:]])
             break
-        tr = tighten(tr, upper)
+        tr = tighten(tr, upper, rest=N - r)
         if any(not opts for opts in tr.options):
             bound = min(bound, upper)  # nothing at this size can beat the incumbent
             continue
