@@ -5,8 +5,10 @@ floating point from the chosen assignment (assignment.objective), so backends ar
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 from nereus.errors import SpecError
@@ -121,12 +123,29 @@ def _warm_start_if_large(problem: PlanProblem, t: Tables, hint, time_limit_s: fl
     return _warm_start(problem, t, hint, time_limit_s, workers, seed, deterministic)
 
 
+@contextmanager
+def _no_gc():
+    """The cyclic garbage collector off while the search runs: it allocates many small acyclic objects
+    (constraints, terms), which set off full collections over everything the process holds (the
+    option tables and the cost model's estimates): half the CPU of the first search in a process
+    (ppo-8b on 1,024 GPUs: 0.157 s with it, 0.073 s without). Refcounting still frees them; cycles
+    wait for the next collection after the search."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,
                      t0: float, deterministic: bool = False) -> PlanSolution:
     t = build_tables(problem)
     if any(not opts for opts in t.options):
         return _infeasible(problem, backend, t0)
-    status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed, deterministic)
+    with _no_gc():
+        status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed, deterministic)
     if a is None and backend == "greedy":  # a heuristic miss proves nothing
         return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
                             wall_s=time.perf_counter() - t0, backend=backend,
