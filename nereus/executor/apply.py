@@ -121,7 +121,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     ok, reason = True, ""
     new: _NewLayout | None = None
     groups: list[tuple[int, int]] = []
-    staged = [0] * plan.rounds
+    rounds = plan.rounds  # a max over every op: taken once
+    staged = [0] * rounds
     items: dict | None = None
     aborted = [False]
 
@@ -132,11 +133,11 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
 
     counters["exchanges_started"] = 0
     try:
-        worst = transition_worst_case_s(timeout_s, plan.rounds)
+        worst = transition_worst_case_s(timeout_s, rounds)
         if not transport.streaming and transport.pg_timeout_s is not None and transport.pg_timeout_s <= worst:
             raise TransitionError(f"the process-group timeout ({transport.pg_timeout_s:g} s) is not above this "
                                   f"transition's worst case ({worst:g} s = timeout {timeout_s:g} s x (3 x "
-                                  f"{plan.rounds} rounds + 4)): NCCL's watchdog would act first; join with "
+                                  f"{rounds} rounds + 4)): NCCL's watchdog would act first; join with "
                                   f"pg_timeout_s >= vote.nccl_pg_timeout_s(...)")
         major = {(m, t): d for m, t, d in plan.major}  # (model, tensor) -> dim stored outermost
         new = _NewLayout(store, plan, rank, major)
@@ -207,7 +208,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
     phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),
                ("wire_s", round(transport.wire_s - wire0, 6)))
-    return ApplyReport(rank=rank, rounds=plan.rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
+    return ApplyReport(rank=rank, rounds=rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], bytes_staged=counters["staged"],
                        messages=transport.messages - msgs0,
                        regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases,

@@ -1,5 +1,6 @@
 """Executor pieces without torch.distributed: checksums, region slicing, layout vs the planner's
 holdings, and whole transitions applied by threads over the mock transport."""
+import functools
 import random
 import threading
 import time
@@ -417,8 +418,10 @@ def test_round_by_round_and_merged_exchanges_agree():
     the planner's rounds (0), all in one (None), and in between for a limit a few rounds fill."""
     messages = {}
     for limit in (0, 2_000_000, None):
+        # every piece bucketed: a joined piece crossing the bucket limit would add its own message
         tplan, stores, _, results = _apply_threads(make_plan(tp=2, pp=2), make_plan(dp=4, zero=1), 4,
-                                                   staging_bytes=limit)
+                                                   staging_bytes=limit,
+                                                   transport_cls=functools.partial(MockTransport, bucket_bytes=1 << 30))
         assert all(not isinstance(r, Exception) for r in results), results
         assert all(mismatches(s, JOB, seed=0) == [] for s in stores)
         assert len({r.exchanges for r in results}) == 1

@@ -30,10 +30,11 @@ def _apply(stores, tplan, hub=None, **kw):
     """Every rank on its own thread; each result is an ApplyReport or the TransitionError raised."""
     hub = hub or MockHub(len(stores))
     out: list = [None] * len(stores)
+    transport = kw.pop("transport", {})  # every rank's transport alike (popped once, not by the first thread)
 
     def run(r):
         try:
-            out[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub, **kw.pop("transport", {})), **kw)
+            out[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub, **transport), **kw)
         except TransitionError as e:
             out[r] = e
 
