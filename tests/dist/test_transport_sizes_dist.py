@@ -103,7 +103,7 @@ def _transition(rank: int, world: int, kind: str | None, fault_rank: int) -> dic
     return {"rolled_back": False, "bad": len(mismatches(store, job, 0)), "staged": rep.bytes_staged}
 
 
-@pytest.mark.parametrize("kind", [None, "corrupt", "corrupt-unpack", "corrupt-pack"])
+@pytest.mark.parametrize("kind", [None, "corrupt-unpack", "corrupt-pack"])  # in-flight "corrupt": test_fault_dist.py
 def test_a_transition_with_bucketed_pieces_commits_bit_exact_or_rolls_every_rank_back(kind):
     out = launch(_transition, 4, kind, 1, timeout_s=240)
     if kind is None:
