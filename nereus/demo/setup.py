@@ -70,7 +70,8 @@ class DemoConfig:
     policy gets better, as in DeepScaleR (8k -> 16k -> 24k) and Skywork-OR1 (8k -> 16k -> 32k) runs,
     and it keeps rising until the layout chosen at step 0 no longer fits the budget (cap 128 at
     k = 1.5, see ``budget_k``): eight steps at each cap, so the controller sees each regime before
-    the next, and 24 steps x 4 policies x 2 runs fit ``make demo``'s 5 minutes on 2 cores."""
+    the next. Measured: 24 steps x 4 policies x 2 runs do not fit ``make demo``'s 5 minutes on 2
+    cores (a run takes 40 s at rest, 48-69 s under load; docs/notes-round.md)."""
     temperature: float = 1.0
     lr: float = 1e-3
     beta: float = 0.02
