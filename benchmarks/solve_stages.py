@@ -77,7 +77,7 @@ def _install(clock: _Clock) -> None:
     S.greedy = clock.wrap("greedy", S.greedy)
     S._warm_start = clock.wrap("warm", S._warm_start)
     for mod in (S, split):
-        for name in ("prune_by_bound", "tighten"):
+        for name in ("tighten",):
             if hasattr(mod, name):
                 setattr(mod, name, clock.wrap("prune", getattr(mod, name)))
     for name in ("split_bound", "tables_for", "_greedy_fill"):

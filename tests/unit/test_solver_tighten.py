@@ -7,16 +7,21 @@ import math
 from dataclasses import replace
 
 import pytest
+from test_solver import random_instance
 
-from nereus.planner.schedules import ScheduleSpec
+from nereus.planner.schedules import ScheduleSpec, step_time
 from nereus.planner.solver import solve
 from nereus.planner.solver.assignment import objective
 from nereus.planner.solver.brute import brute
-from nereus.planner.solver.candidates import build_tables, prune_by_bound
-from nereus.planner.solver.greedy import _fill, _nested_splits, greedy, skeleton_bound, tighten
+from nereus.planner.solver.candidates import ACTOR, GEN, build_tables
+from nereus.planner.solver.greedy import (
+    _fill,
+    _nested_splits,
+    greedy,
+    skeleton_bound,
+    tighten,
+)
 from nereus.planner.solver.structure import greedy_templates
-
-from test_solver import random_instance
 
 SCHEDULES = (ScheduleSpec(), ScheduleSpec(kind="one_step_off"), ScheduleSpec(kind="fully_async", staleness=2,
                                                                              sync_every=2))
@@ -29,6 +34,35 @@ def _problem(seed: int, schedule: ScheduleSpec = SYNC):
     p = random_instance(seed)
     job = replace(p.job, schedule=schedule)
     return replace(p, job=job, workload=job.workload())
+
+
+def prune_by_bound(t, upper: float):
+    """The bound of ``greedy._prune_pass`` written as a plain loop, option by option (the reference
+    ``tighten`` is checked against): drop options whose own phase durations, the fastest other
+    units of each phase (and their least GPU-seconds over N) and the cheapest weight sync already
+    exceed ``upper``."""
+    if not math.isfinite(upper):
+        return t
+    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
+    n, N = len(t.units), t.num_gpus
+    fastest = [[min(o.durations[ph] for o in opts) if opts else 0.0 for opts in t.options] for ph in range(t.n_phases)]
+    area = [[min(o.durations[ph] * o.size for o in opts) if opts else 0.0 for opts in t.options]
+            for ph in range(t.n_phases)]
+    min_sync = min((min(o.sync) for o in t.options[g]), default=0.0)
+    sync_for_size = {s: min((t.sync_s(o, s, col) for o in t.options[g] for col in (False, True)), default=0.0)
+                     for s in t.sizes}
+    options = []
+    for u, opts in enumerate(t.options):
+        keep = []
+        for o in opts:
+            others = [v for v in range(n) if v != u]
+            phase_lb = [max([o.durations[ph], (o.durations[ph] * o.size + sum(area[ph][v] for v in others)) / N]
+                            + [fastest[ph][v] for v in others]) for ph in range(t.n_phases)]
+            sync_lb = min(o.sync) if u == g else (sync_for_size[o.size] if u == tr else min_sync)
+            if step_time(t.schedule, phase_lb, sync_lb) <= upper * (1 + 1e-9):
+                keep.append(o)
+        options.append(tuple(keep))
+    return replace(t, options=tuple(options))
 
 
 def _fixpoint(t, upper):

@@ -18,8 +18,13 @@ import numpy as np
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
-from nereus.planner.cost.model import engine_memory_util, estimate, offload_s, weight_sync_s
-from nereus.planner.schedules import ScheduleSpec, step_time
+from nereus.planner.cost.model import (
+    engine_memory_util,
+    estimate,
+    offload_s,
+    weight_sync_s,
+)
+from nereus.planner.schedules import ScheduleSpec
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
 
@@ -441,36 +446,3 @@ def _build_tables_cached(problem: PlanProblem) -> Tables:
     return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
                   num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys, schedule=problem.job.schedule)
 
-
-def prune_by_bound(t: Tables, upper: float) -> Tables:
-    """Drop options that cannot beat a known plan of step time ``upper``: an option's own phase
-    durations, the fastest possible other units of each phase and the cheapest weight sync already
-    add up to more. Exact (keeps every option that could tie or win)."""
-    import dataclasses
-
-    if not math.isfinite(upper):
-        return t
-    g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
-    n, N = len(t.units), t.num_gpus
-    fastest = [[min(o.durations[ph] for o in opts) if opts else 0.0 for opts in t.options] for ph in range(t.n_phases)]
-    # least GPU-seconds each unit can spend in a phase: a phase's makespan is at least the total / N
-    area = [[min(o.durations[ph] * o.size for o in opts) if opts else 0.0 for opts in t.options]
-            for ph in range(t.n_phases)]
-    min_sync = min((min(o.sync) for o in t.options[g]), default=0.0)
-    sync_for_size = {s: min((t.sync_s(o, s, col) for o in t.options[g] for col in (False, True)), default=0.0)
-                     for s in t.sizes}
-    options = []
-    for u, opts in enumerate(t.options):
-        keep = []
-        for o in opts:
-            phase_lb = []
-            for ph in range(t.n_phases):
-                others = [v for v in range(n) if v != u]
-                phase_lb.append(max([o.durations[ph], (o.durations[ph] * o.size + sum(area[ph][v] for v in others)) / N]
-                                    + [fastest[ph][v] for v in others]))
-            sync_lb = min(o.sync) if u == g else (sync_for_size[o.size] if u == tr else min_sync)
-            lb = step_time(t.schedule, phase_lb, sync_lb)  # monotone in every argument: a lower bound
-            if lb <= upper * (1 + 1e-9):
-                keep.append(o)
-        options.append(tuple(keep))
-    return dataclasses.replace(t, options=tuple(options))

@@ -1,5 +1,5 @@
 """Greedy baseline (and CP-SAT hint): a few pool templates, each filled by local search; and
-``tighten``, the bound pruning of ``candidates.prune_by_bound`` iterated to its fixpoint.
+``tighten``, bound pruning iterated to its fixpoint.
 
 Per template: start every unit at its most memory-frugal option of the slot's size, then apply the
 best single-unit option change that keeps memory feasible and lowers the step time, until none
@@ -20,7 +20,7 @@ from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, greedy_templates
 
 BOUND_SLACK = 1e-9
-"""Relative slack of the bound test, as in ``candidates.prune_by_bound``: ties are kept."""
+"""Relative slack of the bound test: ties are kept."""
 
 
 def _step(t: Tables, ms, sync):
@@ -37,7 +37,9 @@ def _step(t: Tables, ms, sync):
 
 
 def _prune_pass(t: Tables, upper: float, rest: int | None = None) -> Tables:
-    """One pass of ``candidates.prune_by_bound`` (the same bound, computed per unit with numpy).
+    """One pass of the bound pruning, per unit with numpy: drop options whose own phase durations, the
+    fastest other units of each phase (and their least GPU-seconds over N) and the cheapest weight
+    sync already exceed ``upper`` (``tests/unit/test_solver_tighten.py`` holds a plain-loop reference).
     ``rest``: an async sub-problem's trainer GPUs (N - r, ``split.py``): every unit but the rollout
     runs on them, so the GPU-seconds of a trainer phase spread over ``rest`` GPUs, not N."""
     g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
@@ -74,7 +76,7 @@ def _prune_pass(t: Tables, upper: float, rest: int | None = None) -> Tables:
 
 
 def tighten(t: Tables, upper: float, rest: int | None = None) -> Tables:
-    """``prune_by_bound`` repeated until nothing more goes: each pass's fastest options and least
+    """``_prune_pass`` repeated until nothing more goes: each pass's fastest options and least
     GPU-seconds are taken over the options still left, which any plan that can tie or beat
     ``upper`` only uses, so every pass is exact and the fixpoint keeps every such plan.
     ``rest``: see ``_prune_pass`` (only for the tables of one rollout size, ``split.tables_for``)."""
