@@ -156,3 +156,29 @@ def test_leaving_a_plan_predicted_to_fail_later_waits_for_patience_and_a_free_mo
     d = ctl._admit(m, _Candidate(ctl.plan, "current", horizon_s=math.inf, feasible_next=True, times=cur_times),
                    [free], "", False)
     assert d.action == "switch" and not d.must and "costs no transition" in d.reason, d.reason
+
+
+def test_a_stay_because_every_alternative_is_slower_says_so_and_names_the_gap(tmp_path):
+    """When no library plan is faster over the horizon, no transition is priced (their cost is
+    unknown, inf), and the reason must say the alternatives are slower, not that none is feasible
+    at a known cost: the README's loop on examples/ppo-8b.yaml, steps 0-1 at a 2k mean."""
+    from pathlib import Path
+
+    from nereus.planner.online.adapters import from_verl
+    from nereus.planner.specs import load_cluster, load_job
+
+    root = Path(__file__).resolve().parents[2]
+    job, cluster = load_job(root / "examples/ppo-8b.yaml"), load_cluster(root / "examples/cluster-h100-4n.yaml")
+    path = tmp_path / "audit.jsonl"
+    ctl = Controller(job, cluster, horizon=200, margin=0.25, audit_path=str(path))
+    for step in range(2):
+        metrics = {"response_length/mean": 2048 * 1.1 ** step, "response_length/max": 8192,
+                   "timing_s/gen": 0.02 * 2048 * 1.1 ** step, "timing_s/update_actor": 20.0}
+        d = ctl.step(from_verl(metrics, step=step, gpus_available=32, response_len_cap=8192))
+        assert d.action == "stay" and d.reason.startswith("no alternative is faster over the horizon"), d.reason
+    ctl.close()
+    rec = json.loads(path.read_text().splitlines()[-1])
+    scored = [c["horizon_s"] for c in rec["candidates"] if c["horizon_s"] is not None]
+    assert scored and min(scored) >= rec["current_horizon_s"]
+    gap = float(rec["reason"].split("the best is ")[1].split("s slower")[0])
+    assert gap == pytest.approx(min(scored) - rec["current_horizon_s"], abs=0.06)

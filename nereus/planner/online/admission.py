@@ -135,14 +135,17 @@ class AdmissionRules:
         best = min(feasible, key=lambda c: c.net_s)
         if not math.isfinite(best.net_s):  # every alternative fails later in the horizon, or its cost is unknown
             self._streak = ((), 0)
+            fastest = min(feasible, key=lambda c: c.horizon_s)
+            if math.isfinite(fastest.horizon_s) and fastest.horizon_s >= cur.horizon_s:
+                # none is faster, so no transition was priced: say so, not "unknown cost"
+                return self._stay(cur, fastest, "", self._slower(cur, fastest))
             return self._stay(cur, best, "", "no alternative is feasible over the whole horizon at a known cost")
         if not math.isfinite(cur.horizon_s):
             return self._admit_before_failure(m, cur, best, regime_change)
         saving = cur.horizon_s - best.horizon_s
         if saving <= 0:
             self._streak = ((), 0)
-            return self._stay(cur, best, "", f"no alternative is faster over the horizon (the best is {-saving:.1f}s "
-                                             f"slower than the current {cur.horizon_s:.0f}s)")
+            return self._stay(cur, best, "", self._slower(cur, best))
         if saving <= self.min_gain * cur.horizon_s:  # knob-only switches too: the gain is the model's word alone
             self._streak = ((), 0)
             return self._stay(cur, best, "", f"saving {saving:.1f}s over the horizon is below {self.min_gain:.0%} of "
@@ -338,6 +341,11 @@ class AdmissionRules:
         return best, (f"probe: the model is off by >= {self.probe_threshold:.0%} on the current config; measured, "
                       f"this plan could save up to {best_gain:.1f}s over the horizon (optimistic), "
                       f"> 2 x {best.cost_s:.1f}s x (1 + {self.margin:g})")
+
+    @staticmethod
+    def _slower(cur: Candidate, best: Candidate) -> str:
+        return (f"no alternative is faster over the horizon (the best is {best.horizon_s - cur.horizon_s:.1f}s "
+                f"slower than the current {cur.horizon_s:.0f}s)")
 
     def _per_step(self, cur: Candidate, c: Candidate | None) -> float:
         if c is None or not math.isfinite(c.horizon_s):

@@ -44,6 +44,8 @@ class Decision:
     """The transition graph to apply (None when staying, when only knobs change, or when the caller
     asked not to build it)."""
     predicted_cost_s: float
+    """The predicted transition time to ``plan`` on a switch; on a stay, that of the best alternative
+    weighed (inf when none was priced: no alternative was faster over the horizon)."""
     saving_per_step_s: float
     break_even_steps: float
     reason: str
