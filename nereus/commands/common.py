@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,16 @@ def pos_float(text: str) -> float:
     return v
 
 
+PIPE_WIDTH = 160
+"""Columns of a table written to a pipe or a file when ``COLUMNS`` is unset: rich would squeeze it
+to 80, cutting every figure of a wide table (``nereus simulate``'s) to an ellipsis."""
+
+
 def console(stderr: bool = False):
+    import os
+
     from rich.console import Console
 
-    return Console(highlight=False, stderr=stderr)
+    stream = sys.stderr if stderr else sys.stdout
+    piped = "COLUMNS" not in os.environ and not (hasattr(stream, "isatty") and stream.isatty())
+    return Console(highlight=False, stderr=stderr, width=PIPE_WIDTH if piped else None)

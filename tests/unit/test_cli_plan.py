@@ -56,3 +56,21 @@ def test_plan_sweep_table_json_and_png(tmp_path):
 def test_plan_bad_sweep_exit_2():
     r = nereus("plan", "--job", JOB8, "--cluster", ONE_NODE, "--sweep", "colour=1:2:x2")
     assert r.returncode == 2 and "unknown knob" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_table_written_to_a_pipe_keeps_its_figures(monkeypatch, capsys):
+    """Piped (not a terminal, ``COLUMNS`` unset), rich would squeeze tables to 80 columns and
+    ``nereus simulate``'s eleven columns to ellipses: the console is PIPE_WIDTH wide there, and
+    ``COLUMNS`` still rules when set."""
+    from rich.table import Table
+
+    from nereus.commands.common import PIPE_WIDTH, console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert console().width == PIPE_WIDTH
+    t = Table(*[f"column {i}" for i in range(11)])
+    t.add_row(*[f"{1000 + i}.25" for i in range(11)])
+    console().print(t)
+    assert all(f"{1000 + i}.25" in capsys.readouterr().out for i in range(11))
+    monkeypatch.setenv("COLUMNS", "90")
+    assert console().width == 90
