@@ -71,6 +71,7 @@ def test_a_table_written_to_a_pipe_keeps_its_figures(monkeypatch, capsys):
     t = Table(*[f"column {i}" for i in range(11)])
     t.add_row(*[f"{1000 + i}.25" for i in range(11)])
     console().print(t)
-    assert all(f"{1000 + i}.25" in capsys.readouterr().out for i in range(11))
+    out = capsys.readouterr().out
+    assert all(f"{1000 + i}.25" in out for i in range(11)), out
     monkeypatch.setenv("COLUMNS", "90")
     assert console().width == 90
