@@ -1,4 +1,5 @@
-"""Per-stage time of the cold 1,024-GPU solve: option tables, greedy, bound pruning, the thinned
+"""Per-stage time of the cold 1,024-GPU solve: option tables (pricing, wherever it runs), greedy, the
+floors deciding which groups to price (``greedy.price_groups``, ``group_floor``), bound pruning, the thinned
 warm start, building the formulation, CP-SAT (model translation and search apart), and for async
 schedules the per-rollout-size work of ``split.py``. Each problem is solved in a fresh subprocess
 (cold tables and cost-model estimates), then ``--repeats`` more times with the tables cached, so
@@ -32,7 +33,7 @@ PROBLEMS = {  # name: (job yaml, schedule kind)
     "ppo-8b/fully_async": ("examples/ppo-8b.yaml", "fully_async"),
     "ppo-70b/fully_async": ("examples/ppo-70b.yaml", "fully_async"),
 }
-STAGES = ("tables", "greedy", "prune", "warm", "split", "formulation", "cpsat_build", "cpsat_search")
+STAGES = ("tables", "greedy", "floors", "prune", "warm", "split", "formulation", "cpsat_build", "cpsat_search")
 
 
 class _Clock:
@@ -74,6 +75,13 @@ def _install(clock: _Clock) -> None:
     from nereus.planner.solver import backends, formulation, split
 
     S.build_tables = clock.wrap("tables", S.build_tables)
+    from nereus.planner.solver import candidates, greedy
+
+    if hasattr(candidates, "TableBuilder"):  # tables priced on demand: pricing a group is "tables" wherever it
+        # runs (inside greedy too); the floors and the group pruning of price_groups are "floors"
+        candidates.TableBuilder.group = clock.wrap("tables", candidates.TableBuilder.group)
+        S.price_groups = clock.wrap("floors", S.price_groups)
+        greedy.group_floor = clock.wrap("floors", greedy.group_floor)
     S.greedy = clock.wrap("greedy", S.greedy)
     S._warm_start = clock.wrap("warm", S._warm_start)
     for mod in (S, split):

@@ -1,4 +1,5 @@
-"""Option-table and cold-solve CPU time of the 8B and 70B PPO jobs at 1,024 GPUs, two checkouts side by side.
+"""Option-table and cold-solve CPU time of the 8B and 70B PPO jobs at 1,024 GPUs (or ``--gpus``), two checkouts
+side by side, with the plans each returns compared (a digest of the plan JSON less its solve time).
 
 Each measurement (the tables alone; the whole cpsat solve) runs in a fresh subprocess of the
 checkout (its own imports and empty caches; solver libraries imported before the clock starts),
@@ -8,6 +9,7 @@ wall time is beside it, with the 1-minute load average before and after every ru
 --json writes it too.
 
     .venv/bin/python benchmarks/table_speed.py --before /tmp/wt-before [--after .] [--runs 5] [--json OUT]
+        [--gpus 8 64 256 1024] [--backends cpsat pulp greedy]
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from nereus.planner.solver.candidates import _build_tables_cached, build_tables
 from nereus.planner.specs import load_cluster, load_job
 import ortools.sat.python.cp_model  # noqa: F401  (imported before the clock, as plan_scaling does)
 job = load_job(root / sys.argv[3])
-cluster = load_cluster(root / "examples/cluster-h100-1n.yaml").with_gpus(1024)
+cluster = load_cluster(root / "examples/cluster-h100-1n.yaml").with_gpus(int(sys.argv[4]))
 problem = PlanProblem(job=job, cluster=cluster, workload=job.workload())
 def cold():
     _build_tables_cached.cache_clear(); candidates._estimates.clear()
@@ -45,19 +47,23 @@ if sys.argv[2] == "tables":
     print(json.dumps({"tables_cpu_s": cpu() - t0, "tables_wall_s": time.perf_counter() - w0,
                       "options": sum(len(o) for o in tables.options)}))
 else:
-    sol = solve(problem, backend="cpsat", time_limit_s=60.0, workers=1, seed=0)
-    print(json.dumps({"solve_cpu_s": cpu() - t0, "solve_wall_s": sol.wall_s, "objective": sol.objective,
-                      "status": sol.status}))
+    sol = solve(problem, backend=sys.argv[5], time_limit_s=60.0, workers=1, seed=0)
+    c = cpu() - t0
+    import hashlib
+    plan = {k: v for k, v in sol.plan.to_dict().items() if k != "solve_s"} if sol.plan is not None else None
+    print(json.dumps({"solve_cpu_s": c, "solve_wall_s": sol.wall_s, "objective": sol.objective,
+                      "status": sol.status, "plan_sha": hashlib.sha1(json.dumps(plan, sort_keys=True, default=str)
+                                                                     .encode()).hexdigest()}))
 """
 
 
-def one(checkout: Path, job: str) -> dict:
+def one(checkout: Path, job: str, gpus: int = 1024, backend: str = "cpsat") -> dict:
     """The option tables and the whole solve, each in a fresh process (no cache of the other)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     row = {"load_1m_before": os.getloadavg()[0]}
     for what in ("tables", "solve"):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(checkout), what, job], capture_output=True, text=True,
-                             env=env, check=True, cwd=checkout).stdout
+        out = subprocess.run([sys.executable, "-c", CHILD, str(checkout), what, job, str(gpus), backend],
+                             capture_output=True, text=True, env=env, check=True, cwd=checkout).stdout
         row.update(json.loads(out.strip().splitlines()[-1]))
     row["load_1m_after"] = os.getloadavg()[0]
     return row
@@ -75,27 +81,33 @@ def main() -> None:
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--jobs", nargs="*", default=list(JOBS))
+    ap.add_argument("--gpus", type=int, nargs="*", default=[1024])
+    ap.add_argument("--backends", nargs="*", default=["cpsat"])
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     load = [os.getloadavg()]
-    runs = {job: {"before": [], "after": []} for job in a.jobs}
+    cases = [(job, g, b) for job in a.jobs for g in a.gpus for b in a.backends]
+    key = {c: c[0] if (c[1], c[2]) == (1024, "cpsat") else f"{c[0]}@{c[1]}:{c[2]}" for c in cases}
+    runs = {key[c]: {"before": [], "after": []} for c in cases}
     for _ in range(a.runs):
-        for job in a.jobs:
+        for c in cases:
             for name, path in (("before", a.before), ("after", a.after)):
-                runs[job][name].append(one(path.resolve(), job))
+                runs[key[c]][name].append(one(path.resolve(), *c))
                 load.append(os.getloadavg())
     jobs = {}
     for job, sides in runs.items():
         objs = {name: sorted({r["objective"] for r in rs}) for name, rs in sides.items()}
+        plans = {name: sorted({r.get("plan_sha", "") for r in rs}) for name, rs in sides.items()}
         jobs[job] = {"objectives_identical": objs["before"] == objs["after"], "objectives": objs,
+                     "plans_identical": plans["before"] == plans["after"], "plan_sha": plans,
                      "options": {name: sorted({r["options"] for r in rs}) for name, rs in sides.items()},
                      "before": summary(sides["before"]), "after": summary(sides["after"]), "rows": sides}
-    res = {"gpus": 1024, "backend": "cpsat", "workers": 1, "runs": a.runs,
+    res = {"gpus": a.gpus, "backends": a.backends, "workers": 1, "runs": a.runs,
            "steady_figure": "tables_cpu_s / solve_cpu_s (time.process_time); wall beside it",
            "before_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.before, capture_output=True,
-                                           text=True).stdout.strip(),
+                                           text=True, check=False).stdout.strip(),
            "after_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.after, capture_output=True,
-                                          text=True).stdout.strip(),
+                                          text=True, check=False).stdout.strip(),
            "load_avg_1_5_15": {"min_1m": min(x[0] for x in load), "max_1m": max(x[0] for x in load),
                                "start": load[0], "end": load[-1]},
            "jobs": jobs}
@@ -107,7 +119,7 @@ def main() -> None:
               f"(wall {b['tables_wall_s']['median']:.3f} -> {f['tables_wall_s']['median']:.3f}); solve cpu "
               f"{b['solve_cpu_s']['median']:.3f} -> {f['solve_cpu_s']['median']:.3f} s (wall "
               f"{b['solve_wall_s']['median']:.3f} -> {f['solve_wall_s']['median']:.3f}); objectives identical: "
-              f"{r['objectives_identical']}", file=sys.stderr)
+              f"{r['objectives_identical']}, plans identical: {r['plans_identical']}", file=sys.stderr)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(text + "\n")

@@ -10,11 +10,17 @@ import math
 from nereus.errors import SpecError
 from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
-from nereus.planner.solver.candidates import ACTOR, GEN, Tables, blocks
+from nereus.planner.solver.candidates import ACTOR, GEN, Tables
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import placement_skeleton
 
 DEFAULT_LIMIT = 2_000_000_000
+
+
+def blocks(cluster, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Every aligned (first_gpu, size) block: the positions the brute-force oracle enumerates."""
+    n = cluster.num_gpus
+    return tuple((start, s) for s in sizes for start in range(0, n - s + 1, s) if s != n or start == 0)
 
 
 def _unit_blocks(problem: PlanProblem, t: Tables) -> list[list[tuple[int, int]]]:

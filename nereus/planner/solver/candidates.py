@@ -95,6 +95,10 @@ class Tables:
     def sync_s(self, gen: Option, train_size: int, colocated: bool) -> float:
         return gen.sync[self.sync_keys.index((train_size, colocated))]
 
+    def group(self, u: int, size: int) -> tuple[Option, ...]:
+        """Unit ``u``'s options on ``size`` GPUs."""
+        return tuple(o for o in self.options[u] if o.size == size)
+
 
 def make_units(problem: PlanProblem) -> tuple[Unit, ...]:
     phases = problem.job.phases()
@@ -126,12 +130,6 @@ def split_sizes(cluster) -> tuple[int, ...]:
     4 : 4 or 2 : 6 with two nodes idle); the larger pool sits at GPU 0, the other after it, aligned."""
     n, node = cluster.num_gpus, cluster.gpus_per_node
     return tuple(sorted({n - s for s in pool_sizes(cluster) if node <= s < n and n % s == 0 and (n - s) % node == 0}))
-
-
-def blocks(cluster, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """Every aligned (first_gpu, size) block: the positions the brute-force oracle enumerates."""
-    n = cluster.num_gpus
-    return tuple((start, s) for s in sizes for start in range(0, n - s + 1, s) if s != n or start == 0)
 
 
 def _tp_ok(problem: PlanProblem, model, tp: int, size: int) -> bool:
@@ -253,55 +251,56 @@ def _kib(x: float) -> int:
     return int(math.ceil(x / KIB))
 
 
-def unit_options(problem: PlanProblem, ui: int, unit: Unit, size: int, n_phases: int,
-                 sync_keys: tuple, est: _Estimator | None = None) -> list[Option]:
-    """Every memory-feasible option of ``unit`` on a pool of ``size`` GPUs (before dominance)."""
-    return [Option(unit=ui, size=size, **kw) for _, kw in _option_rows(problem, unit, size, n_phases, sync_keys, est)]
-
-
 def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,
                  est: _Estimator | None = None) -> list[tuple[tuple, dict]]:
-    """``unit_options`` as (dominance axes, fields of the Option) rows: the tables build an Option
-    only for the rows no other one dominates (``_undominated``)."""
+    """Every memory-feasible option of ``unit`` on a pool of ``size`` GPUs (before dominance) as
+    (dominance axes, fields of the Option) rows: the tables build an Option only for the rows no other
+    one dominates (``_undominated``)."""
     est = est or _Estimator(problem)
     if unit.name == GEN:
         return _generation_options(problem, unit, size, n_phases, sync_keys, est)
-    j, c, w, p = problem.job, problem.cluster, problem.workload, problem.params
-    cap = c.gpu.usable_bytes
-    cs = problem.candidates
+    cap, p, cs = problem.cluster.gpu.usable_bytes, problem.params, problem.candidates
     trainable = len(unit.stages) == 2
-    per_rank = w.sequences / (j.batch.mini_batches if trainable else 1)
     offloads = cs.offload if trainable else (False,)
     out: list[tuple[tuple, dict]] = []
     infer_cache: dict = {}
+    for tp, pp, dp, mb, sp, cp, ep, etp in _shapes(problem, unit, size):
+        for zero in (cs.zeros if trainable else cs.frozen_zeros):
+            if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
+                continue
+            for rc in (cs.recompute if trainable else (False,)):
+                cfg = est.config(tp, pp, dp, mb, zero, rc, sp, cp, ep, etp)
+                ests = [est(unit.stages[0], cfg)]
+                if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
+                    if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
+                        continue  # training alone overfills a GPU: _option drops it whatever inference adds
+                    key = (tp, pp, mb, sp, cp, zero >= 3, ep, etp)
+                    if key not in infer_cache:
+                        infer_cache[key] = est(unit.stages[1], cfg)
+                    ests.append(infer_cache[key])
+                for off in offloads:
+                    row = _option(unit, cfg, ests, n_phases, cap, off, p)
+                    if row is not None:
+                        out.append(row)
+    return out
+
+
+def _shapes(problem: PlanProblem, unit: Unit, size: int):
+    """(tp, pp, dp, micro_batch, sp, cp, ep, etp) of every option of a training or inference unit on
+    ``size`` GPUs, before its ZeRO stage and recomputation: what ``_option_rows`` prices and
+    ``greedy.group_floor`` bounds."""
+    j, w, cs = problem.job, problem.workload, problem.candidates
+    per_rank = w.sequences / (j.batch.mini_batches if len(unit.stages) == 2 else 1)
+    model = j.model(unit.stages[0].split("/")[0])
     for tp, pp in layouts(problem, unit, size):
         dp = size // (tp * pp)
         # a micro-batch larger than a DP rank's share only adds activation memory
         mbs = [mb for mb in cs.micro_batches if mb == min(cs.micro_batches) or mb <= per_rank / dp]
-        model = j.model(unit.stages[0].split("/")[0])
-        heads = model.heads
-        splits = [(sp, 1) for sp in cs.sps if dp % sp == 0 and heads % (sp * tp) == 0]
+        splits = [(sp, 1) for sp in cs.sps if dp % sp == 0 and model.heads % (sp * tp) == 0]
         splits += [(1, cp) for cp in cs.cps if cp > 1 and dp % cp == 0]
         experts = expert_layouts(model, tp, dp, "training")
         for mb, (sp, cp), (ep, etp) in ((mb, x, y) for mb in mbs for x in splits for y in experts):
-            for zero in (cs.zeros if trainable else cs.frozen_zeros):
-                if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
-                    continue
-                for rc in (cs.recompute if trainable else (False,)):
-                    cfg = est.config(tp, pp, dp, mb, zero, rc, sp, cp, ep, etp)
-                    ests = [est(unit.stages[0], cfg)]
-                    if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
-                        if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
-                            continue  # training alone overfills a GPU: _option drops it whatever inference adds
-                        key = (tp, pp, mb, sp, cp, zero >= 3, ep, etp)
-                        if key not in infer_cache:
-                            infer_cache[key] = est(unit.stages[1], cfg)
-                        ests.append(infer_cache[key])
-                    for off in offloads:
-                        row = _option(unit, cfg, ests, n_phases, cap, off, p)
-                        if row is not None:
-                            out.append(row)
-    return out
+            yield tp, pp, dp, mb, sp, cp, ep, etp
 
 
 def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, offload: bool,
@@ -364,14 +363,9 @@ def _axes(o: Option) -> tuple:
     return (*o.durations, o.resident_kib, o.transient_kib, *o.sync)
 
 
-def prune_dominated(opts: list[Option]) -> list[Option]:
-    """Drop options no better than another on every axis (time per phase, resident, transient,
-    weight sync); among exact ties keep the first."""
-    return [opts[i] for i in _undominated([_axes(o) for o in opts])]
-
-
 def _undominated(axes: list[tuple]) -> list[int]:
-    """Indices (ascending) of the rows ``prune_dominated`` keeps. In the order of (axes, index) a row
+    """Indices (ascending) of the rows no other row is better than or equal to on every axis (time
+    per phase, resident, transient, weight sync; among exact ties the first stays). In the order of (axes, index) a row
     can only be dominated by one before it, and whatever dominates a dropped row dominates what that
     one dominated, so a row goes exactly when an earlier one in that order is <= on every axis: row
     j <= row i everywhere, and not an exact tie with j after i (all pairs at once)."""
@@ -408,41 +402,80 @@ def fixed_sizes(problem: PlanProblem) -> tuple[int, ...]:
 
 
 def build_tables(problem: PlanProblem) -> Tables:
-    """Option tables of ``problem`` (cached: the CLI sweep and the backends share them). They do not
-    depend on the current plan or the transition cost, so those are left out of the cache key."""
-    import dataclasses
+    """Option tables of ``problem``, every group priced (cached: the CLI sweep and backends share them)."""
+    return table_builder(problem).full()
 
-    problem = dataclasses.replace(problem, current_plan=None, transition_cost=None, amortize_steps=0.0)
+
+def table_builder(problem: PlanProblem) -> TableBuilder:
+    """The ``TableBuilder`` of ``problem`` (cached with what it priced). The tables do not depend on
+    the current plan or the transition cost, so those are left out of the cache key."""
+    problem = replace(problem, current_plan=None, transition_cost=None, amortize_steps=0.0)
     try:
         hash(problem)
     except TypeError:  # a plan with unhashable extras, or an unhashable callable
-        return _build_tables_cached.__wrapped__(problem)
-    return _build_tables_cached(problem)
+        return TableBuilder(problem)
+    return _builder_cached(problem)
 
 
-@lru_cache(maxsize=64)
-def _build_tables_cached(problem: PlanProblem) -> Tables:
-    c = problem.cluster
-    units = make_units(problem)
-    sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
-    if problem.job.schedule.is_async:  # the rollout / trainer split at any node boundary the other pool aligns to
-        # (and no pool of the whole cluster: the rollout pool is its own, so neither it nor a trainer pool can be)
-        sizes = tuple(sorted((set(sizes) | set(split_sizes(c))) - {c.num_gpus}))
-    if problem.constraints.placement == "colocated":
-        sizes = (c.num_gpus,)
-    elif problem.constraints.fixed_placement is not None:
-        # every unit sits on its fixed pool: options on other pool sizes could never be chosen
-        sizes = fixed_sizes(problem)
-    n_phases = len(problem.job.phases())
-    sync_keys = tuple((s, col) for s in sizes for col in (False, True))
-    options = []
-    est = _Estimator(problem)
-    for ui, u in enumerate(units):
-        opts: list[Option] = []
-        for s in sizes:
-            rows = _option_rows(problem, u, s, n_phases, sync_keys, est)
-            opts += [Option(unit=ui, size=s, **rows[i][1]) for i in _undominated([a for a, _ in rows])]
-        options.append(tuple(opts))
-    return Tables(units=units, sizes=sizes, options=tuple(options), capacity_kib=int(c.gpu.usable_bytes // KIB),
-                  num_gpus=c.num_gpus, n_phases=n_phases, sync_keys=sync_keys, schedule=problem.job.schedule)
+class TableBuilder:
+    """The option tables of one problem, priced one (unit, pool size) group at a time: ``group``
+    prices a group on first use (every option of it, memory and dominance pruned), ``tables`` holds
+    the groups priced so far. ``build_tables`` prices every group; ``solve`` the groups greedy fills,
+    then only those whose floor (``greedy.group_floor``, bounds without pricing) may still tie
+    greedy's plan (``greedy.price_groups``). Otherwise it reads like its ``Tables`` with no options
+    (``units``, ``sizes``, ``sync_s``, ...)."""
 
+    def __init__(self, problem: PlanProblem) -> None:
+        c = problem.cluster
+        sizes = tuple(sorted(set(pool_sizes(c)) | set(fixed_sizes(problem))))
+        if problem.job.schedule.is_async:  # the rollout / trainer split at any node boundary the other pool aligns to
+            # (and no pool of the whole cluster: the rollout pool is its own, so neither it nor a trainer pool can be)
+            sizes = tuple(sorted((set(sizes) | set(split_sizes(c))) - {c.num_gpus}))
+        if problem.constraints.placement == "colocated":
+            sizes = (c.num_gpus,)
+        elif problem.constraints.fixed_placement is not None:
+            # every unit sits on its fixed pool: options on other pool sizes could never be chosen
+            sizes = fixed_sizes(problem)
+        units, self.problem, self.est = make_units(problem), problem, _Estimator(problem)
+        self.priced, self.floors, self._full = {}, {}, None  # (floors: greedy.group_floor's, by group)
+        self.frame = Tables(units=units, sizes=sizes, options=((),) * len(units), capacity_kib=int(c.gpu.usable_bytes // KIB),
+                            num_gpus=c.num_gpus, n_phases=len(problem.job.phases()),
+                            sync_keys=tuple((s, col) for s in sizes for col in (False, True)), schedule=problem.job.schedule)
+
+    def __getattr__(self, name: str):
+        if name == "frame":  # (not set yet)
+            raise AttributeError(name)
+        return getattr(self.frame, name)
+
+    def group(self, u: int, size: int) -> tuple[Option, ...]:
+        """Unit ``u``'s options on ``size`` GPUs, priced now if they were not yet."""
+        opts = self.priced.get((u, size))
+        if opts is None:
+            f = self.frame
+            rows = _option_rows(self.problem, f.units[u], size, f.n_phases, f.sync_keys, self.est)
+            opts = self.priced[u, size] = tuple(Option(unit=u, size=size, **rows[i][1])
+                                                for i in _undominated([a for a, _ in rows]))
+        return opts
+
+    def fastest(self, u: int, size: int) -> tuple[float, ...]:
+        """Per phase, the least duration of unit ``u``'s options on ``size`` GPUs (inf: none), priced."""
+        opts = self.group(u, size)
+        return tuple(min((o.durations[ph] for o in opts), default=math.inf) for ph in range(self.frame.n_phases))
+
+    def tables(self) -> Tables:
+        """The groups priced so far, each unit's in ascending pool size (the order of ``full``)."""
+        f = self.frame
+        return replace(f, options=tuple(tuple(o for s in f.sizes for o in self.priced.get((u, s), ())) for u in range(len(f.units))))
+
+    def full(self) -> Tables:
+        """Every group priced."""
+        if self._full is None:
+            for u in range(len(self.frame.units)):
+                for s in self.frame.sizes:
+                    self.group(u, s)
+            self._full = self.tables()
+        return self._full
+
+
+_builder_cached = _build_tables_cached = lru_cache(maxsize=64)(TableBuilder)
+"""(``_build_tables_cached``: the name benchmarks clear for a cold start, in this checkout or another.)"""

@@ -14,8 +14,17 @@ from dataclasses import replace
 
 import numpy as np
 
+from nereus.planner.cost.floors import generation_floor, pass_floor
 from nereus.planner.solver.assignment import Assignment, objective
-from nereus.planner.solver.candidates import ACTOR, GEN, Tables
+from nereus.planner.solver.candidates import (
+    ACTOR,
+    GEN,
+    TableBuilder,
+    Tables,
+    _shapes,
+    expert_layouts,
+    layouts,
+)
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, greedy_templates
 
@@ -90,26 +99,108 @@ def tighten(t: Tables, upper: float, rest: int | None = None) -> Tables:
             return t
 
 
-def skeleton_bound(t: Tables, sk: Skeleton) -> float:
+def group_floor(b: TableBuilder, u: int, size: int) -> tuple[float, ...]:
+    """Per phase, at most the duration of every option of unit ``u`` on ``size`` GPUs (inf: it has
+    none), without pricing them: the least floor (``cost.floors``) over the group's configs, a
+    training or inference unit's shapes (``candidates._shapes``; ZeRO and recomputation only add to
+    it) or generation's layouts (any KV level up to the largest). A priced group's: its fastest."""
+    if (u, size) in b.priced:
+        return b.fastest(u, size)
+    if (u, size) not in b.floors:
+        p, unit = b.problem, b.units[u]
+        model, low = p.job.model(unit.stages[0].split("/")[0]), [math.inf] * b.n_phases
+        if unit.name == GEN:
+            fn = generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions))
+            cfgs = [b.est.config(tp, pp, size // (tp * pp), 1, 1, False, 1, 1, ep, 1) for tp, pp in layouts(p, unit, size)
+                    for ep, _ in expert_layouts(model, tp, size // (tp * pp), "generation")]
+            low = [0.0] * b.n_phases
+            low[unit.phases[0]] = min((fn(c) for c in cfgs), default=math.inf)
+        else:
+            fns = [(pass_floor(p.job, p.cluster, ms, model, p.workload, p.params), ph)
+                   for ms, ph in zip(unit.stages, unit.phases)]
+            for tp, pp, dp, mb, sp, cp, ep, etp in _shapes(p, unit, size):
+                cfg, durs = b.est.config(tp, pp, dp, mb, 1, False, sp, cp, ep, etp), [0.0] * b.n_phases
+                for fn, ph in fns:
+                    durs[ph] += fn(cfg)
+                low = [min(x, y) for x, y in zip(low, durs)]
+        b.floors[u, size] = tuple(low)
+    return b.floors[u, size]
+
+
+def skeleton_bound(t: Tables | TableBuilder, sk: Skeleton, floors: bool = False) -> float:
     """A lower bound on the step time of any fill of ``sk``: every unit at its fastest option of its
-    slot's size in every phase, every slot's covering units summed, the cheapest weight sync."""
+    slot's size in every phase, every slot's covering units summed, the cheapest weight sync.
+    ``floors`` (a ``TableBuilder``): a group not yet priced counts at its floor (``group_floor``) and
+    the weight sync at 0 unless generation's group is priced, so the bound stays below the priced one."""
     a = Assignment(slot_size=sk.slot_size, slot_parent=sk.slot_parent, unit_slot=sk.unit_slot, unit_option=())
     fast = []
-    for u, opts in enumerate(t.options):
+    for u in range(len(t.units)):
         size = sk.slot_size[sk.unit_slot[u]]
-        ds = [o.durations for o in opts if o.size == size]
+        if floors:
+            fast.append(group_floor(t, u, size))
+            continue
+        ds = [o.durations for o in t.group(u, size)]
         if not ds:
             return math.inf
         fast.append([min(d[ph] for d in ds) for ph in range(t.n_phases)])
+    if any(math.inf in f for f in fast):
+        return math.inf
     ms = [0.0] * t.n_phases
     for k in set(sk.unit_slot):
         cov = [u for u in range(len(t.units)) if a.covers(u, k)]
         for ph in range(t.n_phases):
             ms[ph] = max(ms[ph], sum(fast[u][ph] for u in cov))
     g, tr = t.unit_index(GEN), t.unit_index(ACTOR)
-    gs = [o for o in t.options[g] if o.size == sk.slot_size[sk.unit_slot[g]]]
+    if floors and (g, sk.slot_size[sk.unit_slot[g]]) not in t.priced:
+        return float(_step(t, ms, 0.0))
+    gs = t.group(g, sk.slot_size[sk.unit_slot[g]])
     sync = min(t.sync_s(o, sk.slot_size[sk.unit_slot[tr]], a.overlap(g, tr)) for o in gs)
     return float(_step(t, ms, sync))
+
+
+def price_groups(b: TableBuilder, upper: float) -> Tables:
+    """The tables of ``b`` with every (unit, pool size) group priced that ``tighten(..., upper)`` could
+    keep an option of, the others left unpriced. A group is *dead* when ``_prune_pass``'s bound over
+    its floors (``group_floor``: at most each of its options' durations; a priced group's fastest),
+    against the other units' fastest durations and least GPU-seconds over their groups not dead (at
+    most those of every option tightening keeps) and the least weight sync of the priced generation
+    options (0 while one of its live groups is not priced), already exceeds ``upper``: none of its
+    options can be kept. Groups die until none does, then the live unpriced ones of generation (whose
+    floors are the loosest), else of every other unit, are priced, and again. Every option
+    ``tighten(build_tables(p), upper)`` keeps sits in a priced group, and tightening is monotone, so
+    ``tighten(price_groups(b, upper), upper)`` is that same table (``tests/unit/test_solver_bounds.py``)."""
+    g, tr = b.unit_index(GEN), b.unit_index(ACTOR)
+    n, N, P = len(b.units), b.num_gpus, b.n_phases
+    limit, dead = upper * (1 + BOUND_SLACK), set()
+    while True:
+        live = [(u, s) for u in range(n) for s in b.sizes if (u, s) not in dead]
+        low = {k: group_floor(b, *k) for k in live}
+        fastest = [[min((low[k][ph] for k in live if k[0] == u), default=math.inf) for u in range(n)] for ph in range(P)]
+        area = [[min((low[k][ph] * k[1] for k in live if k[0] == u), default=math.inf) for u in range(n)]
+                for ph in range(P)]
+        gen = [o for k in live if k[0] == g for o in b.priced.get(k, ())]
+        all_gen = all(k in b.priced for k in live if k[0] == g)
+        min_sync = min((min(o.sync) for o in gen), default=0.0) if all_gen else 0.0
+        died = False
+        for u, s in live:
+            others, f = [v for v in range(n) if v != u], low[u, s]
+            lbs = []
+            for ph in range(P):
+                col = max(f[ph], (f[ph] * s + sum(area[ph][v] for v in others)) / N)
+                lbs.append(max(col, max(fastest[ph][v] for v in others)) if others else col)
+            sync = min_sync if u != tr or not all_gen else min(
+                (b.sync_s(o, s, col) for o in gen for col in (False, True)), default=0.0)
+            if math.inf in f or _step(b, lbs, sync) > limit:
+                dead.add((u, s))
+                died = True
+        if died:
+            continue
+        todo = [k for k in live if k not in b.priced]
+        todo = [k for k in todo if k[0] == g] or todo
+        if not todo:
+            return b.tables()
+        for k in todo:
+            b.group(*k)
 
 
 def _fill(t: Tables, sk: Skeleton, max_rounds: int = 50) -> tuple[float, Assignment] | None:
@@ -117,7 +208,7 @@ def _fill(t: Tables, sk: Skeleton, max_rounds: int = 50) -> tuple[float, Assignm
     choices = []
     for u in range(n):
         size = sk.slot_size[sk.unit_slot[u]]
-        opts = [o for o in t.options[u] if o.size == size]
+        opts = list(t.group(u, size))
         if not opts:
             return None
         choices.append(opts)
@@ -191,17 +282,20 @@ def _nested_splits(t: Tables) -> list[Skeleton]:
     return out[:16]
 
 
-def greedy(problem: PlanProblem, t: Tables) -> tuple[float, Assignment, Skeleton] | None:
+def greedy(problem: PlanProblem, t: Tables | TableBuilder) -> tuple[float, Assignment, Skeleton] | None:
     """Best (objective, assignment, template) over the templates, or None if none fits.
 
     A template whose ``skeleton_bound`` cannot beat the best so far is skipped. (Filling on tables
-    pruned by the best so far was tried: the fills then start elsewhere and end worse.)"""
-    best = None
+    pruned by the best so far was tried: the fills then start elsewhere and end worse.) On a
+    ``TableBuilder`` the groups a template needs are priced only when the bound over their floors does
+    not already skip it: the same templates are filled, with the same options, as on the full tables."""
+    best, lazy = None, isinstance(t, TableBuilder)
     templates = greedy_templates(problem, t)
     if len(templates) > 1:  # free placement: also the nested splits
         templates = templates + _nested_splits(t)
     for i, sk in enumerate(templates):
-        if best is not None and skeleton_bound(t, sk) >= best[0]:
+        if best is not None and ((lazy and skeleton_bound(t, sk, floors=True) >= best[0])
+                                 or skeleton_bound(t, sk) >= best[0]):
             continue
         r = _fill(t, sk)
         if r is not None and (best is None or r[0] < best[0]):

@@ -14,9 +14,9 @@ from dataclasses import replace
 from nereus.errors import SpecError
 from nereus.planner.plan import Plan
 from nereus.planner.solver.assignment import check_structure, objective, to_plan
-from nereus.planner.solver.candidates import Tables, build_tables
+from nereus.planner.solver.candidates import Tables, build_tables, table_builder
 from nereus.planner.solver.check import evaluate_plan
-from nereus.planner.solver.greedy import greedy, tighten
+from nereus.planner.solver.greedy import greedy, price_groups, tighten
 from nereus.planner.solver.infeasible import explain_infeasible
 from nereus.planner.solver.problem import PlanProblem, PlanSolution, default_transition_cost
 from nereus.planner.solver.structure import placement_skeleton
@@ -29,10 +29,22 @@ def _infeasible(problem: PlanProblem, backend: str, t0: float, why: str = "") ->
                         wall_s=time.perf_counter() - t0, backend=backend, message=why or explain_infeasible(problem))
 
 
-def _run_backend(problem: PlanProblem, t: Tables, backend: str, time_limit_s: float, workers: int, seed: int,
+def _tables_and_greedy(problem: PlanProblem, backend: str) -> tuple[Tables, tuple | None]:
+    """The option tables and greedy's answer. Every backend but brute (which needs every option)
+    prices only what it needs: greedy prices the groups it fills (``TableBuilder``), ``price_groups``
+    the others greedy's plan cannot rule out; tightened by that plan they are the full tables
+    tightened (without a greedy plan, every group is priced)."""
+    if backend == "brute":
+        t = build_tables(problem)
+        return t, greedy(problem, t)
+    b = table_builder(problem)
+    hint = greedy(problem, b)
+    return (price_groups(b, hint[0]) if hint is not None else b.full()), hint
+
+
+def _run_backend(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_s: float, workers: int, seed: int,
                  deterministic: bool = False):
-    """(status, assignment or None, bound seconds)."""
-    hint = greedy(problem, t)
+    """(status, assignment or None, bound seconds), from greedy's answer ``hint``."""
     if backend == "greedy":
         return ("FEASIBLE", hint[1], math.nan) if hint else ("INFEASIBLE", None, math.nan)
     if backend == "brute":
@@ -141,11 +153,12 @@ def _no_gc():
 
 def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, workers: int, seed: int,
                      t0: float, deterministic: bool = False) -> PlanSolution:
-    t = build_tables(problem)
-    if any(not opts for opts in t.options):
+    with _no_gc():
+        t, hint = _tables_and_greedy(problem, backend)
+    if hint is None and any(not opts for opts in t.options):  # (then greedy found nothing either)
         return _infeasible(problem, backend, t0)
     with _no_gc():
-        status, a, bound = _run_backend(problem, t, backend, time_limit_s, workers, seed, deterministic)
+        status, a, bound = _run_backend(problem, t, hint, backend, time_limit_s, workers, seed, deterministic)
     if a is None and backend == "greedy":  # a heuristic miss proves nothing
         return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
                             wall_s=time.perf_counter() - t0, backend=backend,
