@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import pairwise
 
 from nereus.models.spec import ModelSpec
 from nereus.planner.cost import moe
-from nereus.planner.cost.comm import nodes_spanned
+from nereus.planner.cost.comm import links, nodes_spanned
 from nereus.planner.cost.framework import host_copy_s
-from nereus.planner.cost.lengths import expected_max, peak_context_per_seq
+from nereus.planner.cost.lengths import decode_grid, expected_max, peak_context_per_seq
 from nereus.planner.cost.memory import (
     kv_budget_full,
     kv_bytes_per_token_per_gpu,
@@ -88,47 +89,60 @@ def generation_floor(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, w: Wo
                      max_kv_fraction: float = 1.0) -> Callable[[ParallelConfig], float]:
     """``floor(cfg)``: a lower bound of the time ``model.estimate`` gives ``actor/generation`` under
     ``cfg`` at any KV budget up to ``max_kv_fraction`` of ``memory.kv_budget_full``, at the stage
-    factors of ``p``. Of ``generation.estimate_generation``'s terms it keeps the decode steps: the
-    decode grid's, which ends at the expected longest response of the step whatever the replica's
-    share, and the queue's while more sequences wait than run (``concurrency`` is at most what the
-    largest budget admits, so at least (n - that) * mean / that steps; a streaming engine's
-    n * mean / concurrency likewise), each reading the stage's weights once per pipeline stage from
-    HBM (KV reads, compute beyond it, prefill left out), with the engine's per-iteration overhead at
-    one running sequence and, for TP inside one node, every layer's two all-reduce latencies; the
-    host work per response; a colocated engine's weights to the host and back (its KV pool's
-    re-creation left out). Every other term is >= 0."""
+    factors of ``p``. ``generation._decode_phase`` runs ``steps`` iterations of ``active`` sequences
+    each; the engine's ``concurrency`` c is at most what the largest budget admits (``most``). Two
+    sums bound it whatever c is: the steps S (the decode grid ends at the step's expected longest
+    response, plus (n - c) * mean / c queued while more wait than run), and the sequence-steps A
+    (sum of steps * active: on the grid sum (x - x') * min(c, max(a', 1)) plus (n - c) * mean queued,
+    concave in c up to n and constant beyond, so at least its value at c = 1 or c = min(most, n);
+    n * mean when streaming, the longest times n with a static engine). Each step reads the stage's
+    weights once per pipeline stage, each sequence-step at least its prompt's KV (``decode_memory``
+    >= both over HBM); the engine's overhead is o0 per step + o1 per sequence-step; TP inside one
+    node pays every layer's two all-reduces, their latency per step and (dense models) their bytes
+    per sequence-step. Plus the host work per response and a colocated engine's weights to the host
+    and back. Every term left out (prefill, compute beyond memory, the rest of the KV and
+    collectives, the KV pool's re-creation) is >= 0."""
     hbm = p.hbm_eff * cluster.gpu.hbm_bytes_per_s
     o0, o1 = p.engine_overhead_terms(job.rollout.engine)
-    per_iter = o0 + (o1 if o1 >= 0 else o1 * job.rollout.max_num_seqs)
-    longest = expected_max(w.sequences, w.response_len_mean, w.response_len_p90, w.response_len_max)
     static = job.rollout.engine == "static"
     streaming = job.schedule.kind == "fully_async" and not static
     P, cap, mean, p90 = w.prompt_len, w.response_len_max, w.response_len_mean, w.response_len_p90
+    longest = expected_max(w.sequences, mean, p90, cap)
     sleeps = job.rollout.sleep and not job.schedule.is_async
+    intra, _ = links(cluster, p)
     lat = 2 * (latency_steps(1) * max(p.inter_latency_s, p.allreduce_latency_s))
     scale = p.factor("generation") * (1 - FLOOR_MARGIN)
+
+    def seq_steps(grid, n: int, c: float) -> float:
+        out = sum((x - px) * min(c, max(a, 1.0)) for (px, a), (x, _) in pairwise(grid))
+        return out + max(0, n - c) * mean
 
     def floor(cfg: ParallelConfig) -> float:
         tp, pp = cfg.tp, cfg.pp
         n = math.ceil(w.sequences / cfg.dp)
-        dense = moe.stage_params(model, tp, pp, tp)[0] if model.is_moe else params_per_gpu(model, tp, pp)
-        weights = model.dtype_bytes * dense
         full = params_per_gpu(model, tp, pp) * model.dtype_bytes
+        weights = model.dtype_bytes * moe.stage_params(model, tp, pp, tp)[0] if model.is_moe else full
         kvg = kv_bytes_per_token_per_gpu(model, tp, pp)
         budget = max_kv_fraction * kv_budget_full(job, cluster, full, p)
         peak = P + cap if static else peak_context_per_seq(n, mean, p90, cap, P, total=w.sequences)
         runs = min(n * (1 + job.schedule.bound) if streaming else n, job.rollout.max_num_seqs)
         most = max(1, min(runs, int(budget // (kvg * peak)))) if budget > 0 else 1
         if streaming:
-            steps = n * mean / most
+            steps, seqs = n * mean / most, n * mean
         elif static:
-            steps = longest * math.ceil(n / most)
+            steps, seqs = longest * math.ceil(n / most), longest * n
         else:
+            grid = decode_grid(n, mean, p90, cap, total=w.sequences)
             steps = longest + max(0, n - most) * mean / most
-        per_step = pp * weights / hbm + per_iter
+            seqs = min(seq_steps(grid, n, 1.0), seq_steps(grid, n, float(min(most, n))))
+        t = steps * (pp * weights / hbm + o0) + seqs * P * kvg / hbm
+        t += seqs * o1 if o1 >= 0 else steps * o1 * job.rollout.max_num_seqs
         if tp > 1 and nodes_spanned(cluster, tp, 1) == 1:
-            per_step += 2 * model.layers * (2 * latency_steps(tp) * p.allreduce_latency_s + lat)
-        t = steps * per_step + n * p.gen_response_host_s
+            n_ar = 2 * model.layers
+            t += steps * n_ar * (2 * latency_steps(tp) * p.allreduce_latency_s + lat)
+            if not model.is_moe:
+                t += seqs * n_ar * (2 * (tp - 1) / tp) * (model.hidden * 2 / pp) / intra
+        t += n * p.gen_response_host_s
         if sleeps:
             t += 2 * host_copy_s(full, p)
         return t * scale

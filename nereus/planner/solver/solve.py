@@ -33,13 +33,15 @@ def _tables_and_greedy(problem: PlanProblem, backend: str) -> tuple[Tables, tupl
     """The option tables and greedy's answer. Every backend but brute (which needs every option)
     prices only what it needs: greedy prices the groups it fills (``TableBuilder``), ``price_groups``
     the others greedy's plan cannot rule out; tightened by that plan they are the full tables
-    tightened (without a greedy plan, every group is priced)."""
+    tightened (without a greedy plan, every group is priced; the greedy backend needs no more)."""
     if backend == "brute":
         t = build_tables(problem)
         return t, greedy(problem, t)
     b = table_builder(problem)
     hint = greedy(problem, b)
-    return (price_groups(b, hint[0]) if hint is not None else b.full()), hint
+    if hint is None:
+        return b.full(), hint
+    return (b.tables() if backend == "greedy" else price_groups(b, hint[0])), hint
 
 
 def _run_backend(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_s: float, workers: int, seed: int,
