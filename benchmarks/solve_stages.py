@@ -120,6 +120,11 @@ def child(name: str, repeats: int) -> dict:
         sol = solve(problem, backend="cpsat", time_limit_s=60, workers=1, seed=0)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         assert sol.status == "OPTIMAL", (name, sol.status)
+        from nereus.planner.solver import candidates
+
+        if i == 0 and hasattr(candidates, "table_builder"):  # (unit, pool size) groups priced of all
+            b = candidates.table_builder(problem)
+            out["groups_priced"] = [len(b.priced), len(b.units) * len(b.sizes)]
         out["runs"].append({"cold": i == 0, "objective": sol.objective, "cpu_s": cpu, "wall_s": wall,
                             "post_tables_cpu_s": cpu - clock.cpu["tables"],
                             "post_tables_wall_s": wall - clock.wall["tables"],
@@ -149,7 +154,7 @@ def _summary(samples: list[dict]) -> dict:
                                           max(r["post_tables_cpu_s"] for r in cold + warm)],
             "stage_cpu_s": {st: med([r["cpu"][st] for r in (cold if st == "tables" else cold + warm)]) for st in STAGES},
             "stage_wall_s": {st: med([r["wall"][st] for r in (cold if st == "tables" else cold + warm)]) for st in STAGES},
-            "calls": cold[0]["calls"]}
+            "calls": cold[0]["calls"], "groups_priced": samples[0].get("groups_priced")}
 
 
 def main() -> int:
@@ -180,7 +185,8 @@ def main() -> int:
             s = v["summary"]
             st = " ".join(f"{x}={s['stage_cpu_s'][x]:.3f}" for x in STAGES)
             print(f"{name:22s} {k:5s} obj {s['objective']:.4f}  cold cpu {s['cold_cpu_s']:.3f} wall {s['cold_wall_s']:.3f}"
-                  f"  post-tables cpu {s['post_tables_cpu_s']:.3f} wall {s['post_tables_wall_s']:.3f}  | {st}", flush=True)
+                  f"  post-tables cpu {s['post_tables_cpu_s']:.3f} wall {s['post_tables_wall_s']:.3f}  | {st}"
+                  f"  groups priced {s['groups_priced']}", flush=True)
         if args.compare:
             a, b = (result["problems"][name][k]["summary"]["objective"] for k in ("this", "other"))
             assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (name, a, b)
