@@ -35,6 +35,8 @@ def _variant(name: str):
         j = replace(j, rollout=replace(j.rollout, engine="static"))
     elif what == "eager":
         j = replace(j, rollout=replace(j.rollout, enforce_eager=True, max_num_seqs=64))
+    elif what == "disaggregated":
+        return replace(p, constraints=replace(p.constraints, placement="disaggregated"))
     return replace(p, job=j, workload=j.workload())
 
 
@@ -82,7 +84,7 @@ def test_the_floors_are_tight_enough_to_skip():
 LAZY_CASES = ("ppo-8b@64", "ppo-70b@64", "ppo-8b@1024", "ppo-70b@1024", "grpo-qwen3-30b-a3b@32",
               "ppo-8b@64:one_step_off", "ppo-8b@64:fully_async", "ppo-70b@64:fully_async", "ppo-8b@32:wide",
               "ppo-8b@32:calibrated", "ppo-8b@64:colocated", "ppo-70b@64:fixed_tp_pp", "ppo-8b@4:one-node",
-              "ppo-8b@64+padded")
+              "ppo-8b@64+padded", "ppo-8b@64+disaggregated")
 
 
 @pytest.mark.parametrize("name", LAZY_CASES)
@@ -118,3 +120,30 @@ def test_a_missing_shape_would_be_caught():
     b.priced.pop((u, s), None)
     b.floors[u, s] = (float("inf"),) * b.n_phases
     assert tighten(price_groups(b, h[0]), h[0]).options != want.options
+
+
+@pytest.mark.parametrize("name", ("ppo-8b@64", "ppo-70b@64", "ppo-8b@64:one_step_off", "ppo-8b@64+disaggregated",
+                                  "ppo-8b@64:colocated"))
+def test_solve_returns_the_plan_the_full_tables_give(name, monkeypatch):
+    """End to end: ``solve`` with every group priced up front (the old path) and on demand return the
+    same plan, objective, bound and status."""
+    import importlib
+
+    S = importlib.import_module("nereus.planner.solver.solve")
+    p = _variant(name)
+    got = []
+    for full in (True, False):
+        candidates._build_tables_cached.cache_clear()
+        candidates._estimates.clear()
+        if full:
+            def builder(problem):
+                b = candidates.table_builder(problem)
+                b.full()
+                return b
+            monkeypatch.setattr(S, "table_builder", builder)
+        else:
+            monkeypatch.undo()
+        sol = S.solve(p, backend="cpsat", time_limit_s=30, workers=1, seed=0, deterministic=True)
+        plan = {k: v for k, v in sol.plan.to_dict().items() if k != "solve_s"}
+        got.append((sol.status, sol.objective, sol.bound, plan))
+    assert got[0] == got[1]
