@@ -12,13 +12,27 @@ install: $(STAMP)
 install-run: $(RUN_STAMP)
 
 # What `nereus demo` (and every command) needs: the package and its run-time dependencies.
+# --no-compile: pip byte-compiles every file it installs (all of torch, scipy, pandas), about half
+# of the install's time; instead one process imports every nereus module with bytecode writing on,
+# so exactly what the project imports is compiled (docs/demo.md, "Time").
 $(RUN_STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch from the on-disk wheel first: never let pip resolve a bare `torch` (CUDA build).
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	@$(BIN)/python -m pip install -q -e .
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --no-compile torch==2.13.0
+	@$(BIN)/python -m pip install -q --no-compile -e .
+	@PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "$$COMPILE_IMPORTS"
 	@touch $(RUN_STAMP)
+
+# every nereus module (and so every library it imports at module level); test-only ones may be absent
+define COMPILE_IMPORTS
+import importlib, pkgutil, nereus
+for m in pkgutil.walk_packages(nereus.__path__, "nereus."):
+    try:
+        importlib.import_module(m.name)
+    except Exception:
+        pass
+endef
+export COMPILE_IMPORTS
 
 # The tests' extras on top (pytest, notebooks, transformers for the HF executor tests).
 $(STAMP): $(RUN_STAMP)

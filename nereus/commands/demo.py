@@ -19,7 +19,7 @@ def _ks(text: str) -> tuple[float, ...]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from nereus.demo.setup import POLICIES
+    from nereus.demo.setup import POLICIES, DemoConfig
 
     p = sub.add_parser("demo", help="real GRPO run on gloo processes that switches layouts as responses grow",
                        description="A real RL run (GRPO on the reference transformer, gloo processes on CPU) whose "
@@ -30,7 +30,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "difference inside the A/A control's spread is reported as a tie. Everything "
                                    "printed is measured in this run. Memory budget per process: k x the model state "
                                    "of the plainest layout.")
-    p.add_argument("--steps", type=pos_int, default=24)
+    p.add_argument("--steps", type=pos_int, default=DemoConfig().steps,
+                   help=f"RL steps of every run (default {DemoConfig().steps}: four at each cap of the schedule)")
     p.add_argument("--world", type=pos_int, default=4, help="gloo processes (2-4)")
     p.add_argument("--budget-k", type=pos_float, default=1.5,
                    help="per-process memory budget as a multiple of the per-process model state (default 1.5: "

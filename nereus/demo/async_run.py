@@ -96,26 +96,37 @@ def print_async(records: list[dict], summary: dict, log=print) -> None:
     log(f"note: {MECHANISM_NOTE}")
 
 
-def run_one_step_off(cfg: DemoConfig, full, job, cluster, params, plan: Plan) -> list[dict] | None:
-    """The run on ``cfg.world`` spawned ranks (``async_worker.async_main``): rank 0's per-step records
-    (None on a torchrun rank other than 0)."""
+def run_one_step_off(cfg: DemoConfig, full, job, cluster, params, plan: Plan, ranks=None) -> list[dict] | None:
+    """The run on ``ranks`` (an ``executor.launch.Ranks``, the probes' processes) or on ``cfg.world``
+    freshly spawned ranks (``async_worker.async_main``): rank 0's per-step records (None on a
+    torchrun rank other than 0)."""
     from nereus.demo.async_worker import async_main
     from nereus.executor.launch import launch
 
-    out = launch(async_main, cfg.world, replace(cfg, budget_mb=budget_for(cfg)), full, job, cluster, params, plan,
-                 timeout_s=cfg.timeout_s, pg_timeout_s=120.0)
+    args = (replace(cfg, budget_mb=budget_for(cfg)), full, job, cluster, params, plan)
+    if ranks is not None:
+        out = ranks.run(async_main, *args, timeout_s=cfg.timeout_s)
+    else:
+        out = launch(async_main, cfg.world, *args, timeout_s=cfg.timeout_s, pg_timeout_s=120.0)
     return None if out is None else out[0]
 
 
 def run_async_demo(cfg: DemoConfig, log=print) -> dict | None:
     """Warm-up and probes (``run.prepare``), the initial split, one run on ``cfg.world`` spawned
     ranks, its table and summary; the records under ``out_dir/demo-async.json``."""
+    from nereus.executor.launch import Ranks
+
+    with Ranks(cfg.world, pg_timeout_s=120.0) as ranks:  # one set of processes for the probes and the run
+        return _run_async_demo(cfg, log, ranks)
+
+
+def _run_async_demo(cfg: DemoConfig, log, ranks) -> dict | None:
     from nereus.demo.run import prepare
 
     t_start = time.perf_counter()
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, budget_mb=budget_for(cfg))
-    full, job, probed, params, _, probe = prepare(cfg, log)
+    full, job, probed, params, _, probe = prepare(cfg, log, ranks)
     cluster = budget_cluster(probed, cfg)
     ajob = async_job(job)
     plan, planner_best = initial_split_plan(ajob, cluster, params, cfg)
@@ -126,7 +137,7 @@ def run_async_demo(cfg: DemoConfig, log=print) -> dict | None:
         + (f" ({planner_best.step_time_s:.2f} s)" if planner_best else "") + " ==")
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    records = run_one_step_off(cfg, full, ajob, cluster, params, plan)
+    records = run_one_step_off(cfg, full, ajob, cluster, params, plan, ranks)
     if records is None:  # a torchrun rank other than 0
         return None
     run_s = time.perf_counter() - t0

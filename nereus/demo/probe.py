@@ -173,17 +173,19 @@ def probe_tp(world: int) -> int | None:
     return None
 
 
-def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3) -> dict:
+def probe_world(full: dict, world: int, sequences: int, length: int, repeats: int = 3, ranks=None) -> dict:
     """Measured host overheads of ``world`` processes: ``micro_batch_overhead_s`` (one forward pass
     of one training micro-batch), ``infer_pass_overhead_s`` (one no-grad forward of one micro-batch
     of log-probs), ``optimizer_step_overhead_s``, ``allreduce_latency_s``, ``link_bytes_per_s``
     (achieved all-reduce bandwidth; None when the activations' all-reduce cost no more than a
-    float's), ``decode_step_s`` and the raw timings they come from."""
+    float's), ``decode_step_s`` and the raw timings they come from. On ``ranks`` (an
+    ``executor.launch.Ranks`` the runs use after it) when given, else on freshly spawned ones."""
     from nereus.demo.setup import DEMO_MODEL
     from nereus.executor.launch import launch
 
     layers = DEMO_MODEL.layers
-    r = launch(_rank, world, full, sequences, length, repeats, timeout_s=300.0, everywhere=True)[0]
+    args = (_rank, world, full, sequences, length, repeats) if ranks is None else (_rank, full, sequences, length, repeats)
+    r = (launch if ranks is None else ranks.run)(*args, timeout_s=300.0, everywhere=True)[0]
     n = r["micro_batches"]
     extra = max(1, n - 1)
     train_pass = max(0.0, (r["train_mb1"] - r["train_mbn"]) / extra / 3)

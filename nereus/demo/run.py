@@ -61,10 +61,14 @@ def measure_speed(full: dict[str, torch.Tensor], seqs: int = 8, length: int = 64
     return flops, decode
 
 
-def prepare(cfg: DemoConfig, log=print):
-    """Warm-up, probes, job/cluster/params and the initial plan (parent process)."""
+def prepare(cfg: DemoConfig, log=print, ranks=None):
+    """Warm-up, probes (on ``ranks``, an ``executor.launch.Ranks``, when given), job/cluster/params
+    and the initial plan (parent process)."""
     from nereus.demo.policy import initial_plan
 
+    # one thread, as every rank runs: a second intra-op thread on 2 shared cores made the warm-up's
+    # 8 small steps take 4-23 s of CPU under load against 0.3 s on one
+    torch.set_num_threads(1)
     task = CountingTask()
     t0 = time.perf_counter()
     full = sft_warmup(DEMO_MODEL, task, seed=cfg.seed, steps=cfg.warmup_steps)
@@ -77,7 +81,8 @@ def prepare(cfg: DemoConfig, log=print):
     longest = max(c for _, c in cfg.cap_schedule)
     rep, shard = probe_activations(DEMO_MODEL, full, task.prompt_len + longest)
     flops, decode_s = measure_speed(full)
-    host = probe_world(full, cfg.world, cfg.prompts * cfg.samples, task.prompt_len + cfg.cap_schedule[0][1])
+    host = probe_world(full, cfg.world, cfg.prompts * cfg.samples, task.prompt_len + cfg.cap_schedule[0][1],
+                       ranks=ranks)
     log(f"probe ({time.perf_counter() - t0:.1f} s): activations {rep / 1024:.1f} KiB replicated + {shard / 1024:.1f} KiB "
         f"TP-split per token per layer; training {flops / 1e9:.1f} GFLOP/s in one process; on {cfg.world} processes: "
         f"{host['micro_batch_overhead_s'] * 1e3:.1f} ms per training micro-batch pass, "
@@ -135,13 +140,20 @@ def _decode_overhead(params, cluster, host: dict, prompt_len: int):
     return replace(params, decode_step_overhead_s=max(0.0, host["decode_step_s"] - modelled)), modelled
 
 
-def run_policy(cfg: DemoConfig, policy: str, full, job, cluster, params, plan) -> list[dict]:
+def run_policy(cfg: DemoConfig, policy: str, full, job, cluster, params, plan, ranks=None) -> list[dict]:
+    """One run of ``policy`` on ``ranks`` (the demo's kept ``Ranks``: fresh run state, the same
+    processes) or, without, on freshly spawned ranks."""
     from nereus.demo.worker import rank_main
-    from nereus.executor.launch import launch
+    from nereus.executor.launch import Ranks
 
     cfg = replace(cfg, budget_mb=budget_for(cfg))
-    out = launch(rank_main, cfg.world, cfg, full, job, cluster, params, plan, policy, timeout_s=cfg.timeout_s,
-                 pg_timeout_s=120.0)
+    own = ranks is None
+    ranks = Ranks(cfg.world, pg_timeout_s=120.0) if own else ranks
+    try:
+        out = ranks.run(rank_main, cfg, full, job, cluster, params, plan, policy, timeout_s=cfg.timeout_s)
+    finally:
+        if own:
+            ranks.close()
     return None if out is None else out[0]  # None: a torchrun rank other than 0 (rank 0 reports)
 
 
@@ -256,7 +268,7 @@ def _label(plan) -> str:
     return _layout_label(plan) + (" +recompute" if any(s.config.recompute for s in plan.stages) else "")
 
 
-def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
+def run_budget(cfg: DemoConfig, prep: tuple, log=print, ranks=None) -> dict:
     """Every policy of ``cfg`` at its budget, ``cfg.repeats`` times, interleaved (every policy once,
     then again); records, summaries over the repetitions, the A/A spread and the comparisons it
     judges, factors, how each plan was chosen."""
@@ -301,7 +313,7 @@ def run_budget(cfg: DemoConfig, prep: tuple, log=print) -> dict:
             log(f"\n== {policy} run {rep + 1}/{cfg.repeats}: {cfg.steps} GRPO steps on {cfg.world} gloo processes, "
                 f"budget {budget:.1f} MiB per process ({cfg.budget_k:g} x model state); layout {_label(plans[policy])} ==")
             t0, load0 = time.perf_counter(), os.getloadavg()[0]
-            recs = run_policy(rcfg, policy, full, job, cluster, params, plans[policy])
+            recs = run_policy(rcfg, policy, full, job, cluster, params, plans[policy], ranks)
             if recs is None:  # a torchrun rank other than 0: rank 0 reports
                 continue
             for r in recs:
@@ -344,19 +356,23 @@ def run_demo(cfg: DemoConfig, log=print, budgets: tuple[float, ...] | None = Non
         raise SpecError(f"demo under torchrun: --policy {cfg.policy} includes model-hindsight, which is chosen from the "
                         f"adaptive run's per-step lengths that only rank 0 holds; pass --policy adaptive, static, "
                         f"static+recompute or both")
+    from nereus.executor.launch import Ranks
+
     t_start = time.perf_counter()
-    prep = prepare(cfg, log)
     runs = []
-    for k in budgets or (None,):
-        bcfg = cfg if k is None else replace(cfg, budget_k=k, budget_mb=None,
-                                             out_dir=str(Path(cfg.out_dir) / f"k{k:g}"))
-        res = run_budget(bcfg, prep, log)
-        if res is None:  # a torchrun rank other than 0
-            continue
-        print_summary(res["summary"], f"budget {res['budget_mb']:.1f} MiB per process ({bcfg.budget_k:g} x model state)")
-        print_comparisons(res)
-        print_factors(res["factors"])
-        runs.append(res)
+    with Ranks(cfg.world, pg_timeout_s=120.0) as ranks:  # one set of processes for the probes and every run
+        prep = prepare(cfg, log, ranks)
+        for k in budgets or (None,):
+            bcfg = cfg if k is None else replace(cfg, budget_k=k, budget_mb=None,
+                                                 out_dir=str(Path(cfg.out_dir) / f"k{k:g}"))
+            res = run_budget(bcfg, prep, log, ranks)
+            if res is None:  # a torchrun rank other than 0
+                continue
+            print_summary(res["summary"],
+                          f"budget {res['budget_mb']:.1f} MiB per process ({bcfg.budget_k:g} x model state)")
+            print_comparisons(res)
+            print_factors(res["factors"])
+            runs.append(res)
     if not runs:
         return None
     if len(runs) > 1:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from nereus.demo.task import CountingTask
 from nereus.executor import model as M
+from nereus.executor.optim import AdamW, adamw_update
 from nereus.models.spec import ModelSpec
 
 
@@ -26,17 +27,21 @@ def sft_warmup(model: ModelSpec, task: CountingTask, *, seed: int, steps: int, l
     """Full parameter tensors after ``steps`` of next-token training on short correct examples."""
     full = M.init_full(model, seed)
     w = {name: t.clone().requires_grad_(True) for (name, _), t in full.items()}
-    opt = torch.optim.AdamW(w.values(), lr=lr, weight_decay=0.0)
+    # the executor's AdamW update (torch.optim.AdamW's formula): torch.optim's constructor imports
+    # torch._dynamo, 3 s of CPU the demo's parent process otherwise never pays
+    opt = AdamW(lr=lr, weight_decay=0.0)
+    moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in w.items()}
     g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         ids = task.supervised_batch(batch, length, g)
         logits = forward(model, w, ids)
         # learn the continuation only (the prompt is given)
         P = task.prompt_len
         loss = F.cross_entropy(logits[:, P - 1:-1].reshape(-1, model.vocab), ids[:, P:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        grads = torch.autograd.grad(loss, list(w.values()))
+        with torch.no_grad():
+            for (k, p), gr in zip(w.items(), grads):
+                adamw_update(p, gr, *moments[k], step, opt)
     return {k: v.detach() for k, v in w.items()}
 
 

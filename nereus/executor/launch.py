@@ -4,7 +4,9 @@
 gloo (or NCCL) process group and returns the per-rank results. Each rank reports its result or
 its formatted traceback on a queue; the parent joins with a deadline, kills ranks that hang, and
 raises ``RankFailed`` naming the rank and quoting its traceback. ``fn`` must be importable
-(module level) because spawn pickles it by name.
+(module level) because spawn pickles it by name. ``Ranks(world)`` keeps the spawned ranks and
+their process group for several calls (``ranks.run(fn, *args)``), so a job of many runs pays the
+spawn, the torch import and the rendezvous once.
 
 Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` in the environment,
 ``torchrun_env``) nothing is spawned: ``launch`` joins torchrun's env:// rendezvous (once per
@@ -26,7 +28,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 from nereus.errors import NereusError
 
@@ -230,6 +232,119 @@ def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, backe
                 p.kill()
                 p.join(timeout=5)
     return _results(got, world, hung, allow_hung, f"did not finish within {timeout_s:g} s and were killed")
+
+
+def _serve(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: float, tasks, results) -> None:
+    """A kept rank (``Ranks``): join the group once, then run each ``(call, fn, args)`` taken from
+    ``tasks`` until None, reporting ``(call, rank, status, value)`` as ``_entry`` does."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        join_group(backend, rank, init_method=f"file://{init_file}", rank=rank, world=world,
+                   pg_timeout_s=pg_timeout_s)
+    except BaseException:  # noqa: BLE001 - reported with the rank's traceback
+        results.put((0, rank, "error", traceback.format_exc()))
+        return
+    try:
+        while (task := tasks.get()) is not None:
+            call, fn, args = task
+            try:
+                results.put((call, rank, "ok", pickle.dumps(fn(rank, world, *args))))
+            except BaseException:  # noqa: BLE001 - reported with the rank's traceback; the parent stops the ranks
+                results.put((call, rank, "error", traceback.format_exc()))
+            del task, fn, args
+            gc.collect()  # the last call's state, before the next call measures anything
+    finally:
+        if dist.is_initialized():
+            _destroy_group()
+
+
+class Ranks:
+    """``world`` spawned ranks kept for several calls: ``ranks.run(fn, *args)`` is ``launch(fn,
+    world, *args)`` on the same processes and process group (spawn, torch import and rendezvous
+    paid once). Each call's ``fn`` starts from the state the last one left in the process (module
+    caches such as ``parallel.group_of``'s groups stay; the garbage is collected between calls).
+    A call that fails or hangs stops the ranks (``RankFailed`` as ``launch`` raises it); the next
+    call spawns fresh ones. Under torchrun every call is ``launch``'s. Use as a context manager,
+    or ``close()``."""
+
+    def __init__(self, world: int, *, backend: str = "gloo", pg_timeout_s: float = 60.0) -> None:
+        self.world, self.backend, self.pg_timeout_s = world, backend, pg_timeout_s
+        self._procs: list = []
+        self._calls = 0
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="nereus-rdzv-")
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._results, self._tasks = ctx.Queue(), [ctx.Queue() for _ in range(self.world)]
+        procs = [ctx.Process(target=_serve, args=(r, self.world, init_file, self.backend, self.pg_timeout_s,
+                                                  self._tasks[r], self._results), daemon=True)
+                 for r in range(self.world)]
+        for p in procs:
+            try:
+                p.start()
+            except BaseException:
+                self._procs = [q for q in procs if q.pid is not None]
+                self.close(kill=True)
+                raise
+        self._procs = procs
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float = 120.0, allow_hung: bool = False,
+            everywhere: bool = False) -> list[Any] | None:
+        if torchrun_env() is not None:
+            return launch(fn, self.world, *args, timeout_s=timeout_s, backend=self.backend,
+                          pg_timeout_s=self.pg_timeout_s, allow_hung=allow_hung, everywhere=everywhere)
+        if not self._procs:
+            self._start()
+        self._calls += 1
+        for q in self._tasks:
+            q.put((self._calls, fn, args))
+        got: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world and time.monotonic() < deadline:
+            try:
+                call, rank, status, value = self._results.get(timeout=0.2)
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in self._procs):
+                    break
+                continue
+            if call == self._calls or status == "error":
+                got[rank] = (status, value)
+        hung = [r for r in range(self.world) if r not in got]
+        if hung or any(s == "error" for s, _ in got.values()):
+            self.close(kill=True)  # a rank failed or hung: the group is suspect, the next call starts afresh
+        return _results(got, self.world, hung, allow_hung, f"did not finish within {timeout_s:g} s and were killed")
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks (asked to leave; killed if ``kill`` or not gone within 10 s)."""
+        if not self._procs:
+            return
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            if not kill:
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

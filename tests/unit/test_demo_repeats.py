@@ -70,7 +70,7 @@ def test_policies_run_interleaved_and_repeated_with_the_aa_spread_judging_ties(t
     job, cluster, params = _inputs(cfg)
     order, clusters = [], []
 
-    def fake(rcfg, policy, full, job_, cluster_, params_, plan):
+    def fake(rcfg, policy, full, job_, cluster_, params_, plan, ranks=None):
         order.append((policy, rcfg.run))
         clusters.append(cluster_)
         from nereus.demo.policy import audit_path
