@@ -31,7 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "printed is measured in this run. Memory budget per process: k x the model state "
                                    "of the plainest layout.")
     p.add_argument("--steps", type=pos_int, default=DemoConfig().steps,
-                   help=f"RL steps of every run (default {DemoConfig().steps}: four at each cap of the schedule)")
+                   help=f"RL steps of every run (default {DemoConfig().steps}: three at each cap of the schedule)")
     p.add_argument("--world", type=pos_int, default=4, help="gloo processes (2-4)")
     p.add_argument("--budget-k", type=pos_float, default=1.5,
                    help="per-process memory budget as a multiple of the per-process model state (default 1.5: "

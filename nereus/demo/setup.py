@@ -41,8 +41,8 @@ DEMO_MODEL = ModelSpec(name="demo-4l-128h", layers=4, hidden=128, ffn=384, heads
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DemoConfig:
-    steps: int = 12
-    """RL steps of a run: four at each cap of ``cap_schedule``."""
+    steps: int = 9
+    """RL steps of a run: three at each cap of ``cap_schedule``."""
     world: int = 4
     budget_mb: float | None = None
     """Per-process device-memory budget (MiB), enforced by the executor's accounting; None:
@@ -66,23 +66,23 @@ class DemoConfig:
     prompts: int = 8
     samples: int = 4
     """GRPO group size (samples per prompt)."""
-    cap_schedule: tuple[tuple[int, int], ...] = ((0, 32), (4, 64), (8, 128))
+    cap_schedule: tuple[tuple[int, int], ...] = ((0, 32), (3, 64), (6, 128))
     """(first step, response-length cap), fixed before any run: the cap is raised in stages as the
     policy gets better, as in DeepScaleR (8k -> 16k -> 24k) and Skywork-OR1 (8k -> 16k -> 32k) runs,
     and it keeps rising until the layout chosen at step 0 no longer fits the budget (cap 128 at
-    k = 1.5, see ``budget_k``). Four steps at each cap, set by ``make demo``'s 5 minutes, set-up
-    included, for 4 policies x 2 runs: a step took 0.65 s at cap 32, 1.1 s at 64 and 3.5 s at 128 on
-    the idle 2-core machine (an earlier 24-step run of this demo), so four at each cap are 21 s of
-    steps a run, 8 runs about 170 s, and the set-up (install, warm-up, probes) the rest; eight at
-    each cap (the earlier schedule, 24 steps) took 10 min. The controller is told the next step's
-    cap, so it sees the rise to 128 coming whatever the number of steps at each cap."""
+    k = 1.5, see ``budget_k``). Three steps at each cap, set by ``make demo``'s 5 minutes, set-up
+    included, for 4 policies x 2 runs on this shared 2-core machine: eight steps at each cap (24
+    steps) took 10 min 19 s on a fresh clone at load 1.5-5, four (12 steps) 8 min 23 s at load 6-9
+    (406 s of CPU; docs/demo.md, "Time"); a step at cap 128 costs about twice one at 64. The
+    controller is told the next step's cap, so it sees the rise to 128 coming whatever the number of
+    steps at each cap."""
     temperature: float = 1.0
     lr: float = 1e-3
     beta: float = 0.02
     warmup_steps: int = 12
     """Supervised warm-up steps before RL (a short SFT, so the policy starts partly right). 12, fixed
-    with the four steps at each cap: memory binds only where the longest responses reach the cap,
-    and four RL steps at a cap are too few to get there from the 8-step warm-up the 24-step
+    with the three steps at each cap: memory binds only where the longest responses reach the cap,
+    and three RL steps at a cap are too few to get there from the 8-step warm-up the 24-step
     schedule used (per-token accuracy 0.86, expected length 6; its policy reached cap 128 after
     about 18 RL steps). 12 steps give accuracy 0.96, expected length 22.5 (``token_accuracy``;
     16 steps: 0.98, 48), where the longest of the 32 responses reaches each cap and the mean still
