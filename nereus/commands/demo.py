@@ -19,7 +19,7 @@ def _ks(text: str) -> tuple[float, ...]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from nereus.demo.setup import POLICIES, DemoConfig
+    from nereus.demo.setup import ONE_STEP_OFF_DEFAULTS, POLICIES, DemoConfig
 
     p = sub.add_parser("demo", help="real GRPO run on gloo processes that switches layouts as responses grow",
                        description="A real RL run (GRPO on the reference transformer, gloo processes on CPU) whose "
@@ -30,8 +30,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "difference inside the A/A control's spread is reported as a tie. Everything "
                                    "printed is measured in this run. Memory budget per process: k x the model state "
                                    "of the plainest layout.")
-    p.add_argument("--steps", type=pos_int, default=DemoConfig().steps,
-                   help=f"RL steps of every run (default {DemoConfig().steps}: three at each cap of the schedule)")
+    p.add_argument("--steps", type=pos_int,
+                   help=f"RL steps of every run (default {DemoConfig().steps}: three at each cap of the schedule; "
+                        f"{ONE_STEP_OFF_DEFAULTS['steps']} with --schedule one_step_off, its own schedule)")
     p.add_argument("--world", type=pos_int, default=4, help="gloo processes (2-4)")
     p.add_argument("--budget-k", type=pos_float, default=1.5,
                    help="per-process memory budget as a multiple of the per-process model state (default 1.5: "
@@ -59,7 +60,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from nereus.demo.run import run_demo
-    from nereus.demo.setup import DemoConfig
+    from nereus.demo.setup import ONE_STEP_OFF_DEFAULTS, DemoConfig
     from nereus.errors import SpecError
 
     torchrun_world(args.world)  # refuses a torchrun world of another size
@@ -67,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--world must be 2, 3 or 4 (gloo processes on this machine), got {args.world}")
     if args.budgets and args.budget_mb:
         raise SpecError("give --budgets (multiples of the model state) or --budget-mb, not both")
-    cfg = DemoConfig(steps=args.steps, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
+    schedule = dict(ONE_STEP_OFF_DEFAULTS) if args.schedule == "one_step_off" else {}
+    if args.steps is not None:
+        schedule["steps"] = args.steps
+    cfg = DemoConfig(**schedule, world=args.world, budget_mb=args.budget_mb, budget_k=args.budget_k,
                      policy=args.policy, seed=args.seed, out_dir=args.out_dir, repeats=args.repeats,
                      schedule=args.schedule, rollout_ranks=args.rollout_ranks)
     if args.schedule == "one_step_off":

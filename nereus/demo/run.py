@@ -6,8 +6,10 @@ of tokens/s decides which differences count (``compare``).
 
 Set-up in the parent process: a short supervised warm-up of the policy, probes of the real model's
 activation bytes and speed and of the world's host overheads (so the cost model describes these
-processes), then per budget: each policy's plan (``policy.py``) and a run of it on freshly spawned
-ranks (``worker.py``). Adaptive runs first: model-hindsight is chosen from its first run's response lengths.
+processes), then per budget: each policy's plan (``policy.py``) and its runs (``worker.py``), every
+run a fresh run state on the same ``world`` ranks the probes ran on (``executor.launch.Ranks``:
+spawn, torch import and rendezvous paid once, not once per run). Adaptive runs first:
+model-hindsight is chosen from its first run's response lengths.
 
 Throughput is counted on identical work: response tokens of the steps that completed, divided by
 the time of those steps (and of the transitions the policy paid for); a step aborted over budget

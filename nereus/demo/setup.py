@@ -112,6 +112,14 @@ class DemoConfig:
     trainer's bit for bit (a gather of the actor's params, outside the timed sync)."""
 
 
+ONE_STEP_OFF_DEFAULTS = {"steps": 24, "cap_schedule": ((0, 32), (8, 64), (16, 128)), "warmup_steps": 8}
+"""``nereus demo --schedule one_step_off``'s schedule (its ``--steps`` still applies): the one its
+committed run used (docs/demo-async.json). ``DemoConfig``'s shorter one is set by ``make demo``'s
+5 minutes, which this mode is no part of; run with it (9 steps, 12-step warm-up, responses at the cap
+from step 0), the 1-rank rollout pool went over budget at steps 5-7 (the KV cache of all 32
+sequences on one rank) before the controller found a 2 : 2 split that fits."""
+
+
 POLICIES = ("adaptive", "static", "static+recompute", "model-hindsight")
 """adaptive: the online controller, free to change layout. static: one layout for the whole run, the
 one a user would pick before it (``policy.static_plan``). static+recompute: the same choice with

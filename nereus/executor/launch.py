@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Self
+from typing import Any, Callable
 
 from nereus.errors import NereusError
 
@@ -340,7 +340,7 @@ class Ranks:
         self._procs = []
         self._tmp.cleanup()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Ranks:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
 
     def __exit__(self, *exc) -> None:
