@@ -39,6 +39,9 @@ $(STAMP): $(RUN_STAMP)
 	@$(BIN)/python -m pip install -q -e '.[dev]'
 	# verl and OpenRLHF as data for tests/unit/test_frameworks.py (never imported): no dependencies.
 	@$(BIN)/python -m pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2
+	# install-run compiled only what nereus imports; the tests import more of torch (checkpoint,
+	# testing, distributed tools), and with PYTHONDONTWRITEBYTECODE set each process would recompile it
+	@PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import torch, os; print(os.path.dirname(torch.__file__))") > /dev/null || true
 	@touch $(STAMP)
 
 test: install
