@@ -191,3 +191,103 @@ def test_tightening_a_rollout_size_over_its_trainer_gpus_keeps_its_optimum(seed,
             assert worse is None or worse > best * (1 + 1e-9)
         checked += 1
     assert checked
+
+
+LAZY_SPLIT = ("ppo-8b@64:one_step_off", "ppo-8b@64:fully_async", "ppo-70b@64:fully_async", "ppo-70b@64:one_step_off",
+              "ppo-8b@256:fully_async", "ppo-70b@256:one_step_off", "grpo-7b@32:fully_async", "seed1", "seed5")
+
+
+def _lazy_case(name: str):
+    """An async problem: ``job@gpus:schedule`` of the example jobs (``benchmarks/table_pin._problem``)
+    or ``seed<k>``, a random instance under fully_async."""
+    import sys
+    from pathlib import Path
+
+    from nereus.planner.solver import candidates
+
+    candidates._build_tables_cached.cache_clear()
+    candidates._estimates.clear()
+    if name.startswith("seed"):
+        return _async(int(name[4:]), FULLY2)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from table_pin import _problem
+
+    job, _, kind = name.partition(":")
+    model, gpus = job.split("@")
+    return _problem(f"{model}.yaml", int(gpus), schedule=ONE_STEP if kind == "one_step_off" else FULLY2)
+
+
+@pytest.mark.parametrize("name", LAZY_SPLIT + ("ppo-8b@1024:one_step_off",))
+def test_each_rollout_size_priced_alone_gets_the_tables_of_the_full_ones(name):
+    """``price_groups(b, h, r)`` prices every group ``tighten(tables_for(full, r), h, rest=N - r)``
+    keeps an option of; and a size ruled out on floors (``floor_bound``) is one whose tightened
+    tables' bound reaches h."""
+    from nereus.planner.solver import candidates
+    from nereus.planner.solver.greedy import greedy, price_groups, tighten
+    from nereus.planner.solver.split import floor_bound
+
+    p = _lazy_case(name)
+    full = build_tables(p)
+    h = greedy(p, full)
+    if h is None:
+        pytest.skip("greedy finds no plan: solve prices every group")
+    candidates._build_tables_cached.cache_clear()
+    b = candidates.table_builder(p)
+    greedy(p, b)
+    N, ruled_out = b.num_gpus, 0
+    for r in b.sizes:
+        want = tighten(tables_for(full, r), h[0], rest=N - r)
+        seen = []
+        got = price_groups(b, h[0], rollout=r, give_up=lambda low, r=r, seen=seen: seen.append(floor_bound(b, r, low)) or False)
+        mine = tighten(tables_for(got, r), h[0], rest=N - r)
+        if any(not o for o in want.options):  # no plan at this size (either way split_bound is inf)
+            assert any(not o for o in mine.options), r
+            assert split_bound(mine, r) == math.inf
+        else:
+            assert mine.options == want.options, r
+        for lb in seen:
+            assert lb <= split_bound(want, r) * (1 + 1e-12), (r, lb)
+        ruled_out += any(lb >= h[0] for lb in seen)
+    assert len(b.priced) <= len(b.units) * len(b.sizes)
+
+
+@pytest.mark.parametrize("name", LAZY_SPLIT)
+def test_solving_each_rollout_size_lazily_returns_the_plan_of_the_cluster_wide_tables(name, monkeypatch):
+    """End to end: ``solve`` with ``split.solve_split_lazy`` as it is, and with it replaced by what
+    solve ran before (every group ``price_groups(b, h)`` asks for priced, the tables tightened over the
+    whole cluster, ``solve_split``): the same status, objective, bound and plan (the rollout size too)."""
+    import importlib
+
+    from nereus.planner.solver import candidates, split
+    from nereus.planner.solver.greedy import price_groups, tighten
+
+    S = importlib.import_module("nereus.planner.solver.solve")
+    p = _lazy_case(name)
+
+    def before(problem, b, hint, *a):
+        return split.solve_split(problem, tighten(price_groups(b, hint[0]), hint[0]), hint, *a)
+
+    fill, one = split._greedy_fill, split._solve_one
+    got = []
+    for old in (True, False):
+        candidates._build_tables_cached.cache_clear()
+        candidates._estimates.clear()
+        calls = []  # the order the sizes are seeded and solved in, with the tables and cutoff of each
+
+        def spy_fill(t, r, calls=calls):
+            calls.append(("fill", r, t.options))
+            return fill(t, r)
+
+        def spy_one(problem, t, hint, upper, *a, calls=calls):
+            calls.append(("solve", upper, t.options, hint and hint[0]))
+            return one(problem, t, hint, upper, *a)
+
+        monkeypatch.setattr(split, "_greedy_fill", spy_fill)
+        monkeypatch.setattr(split, "_solve_one", spy_one)
+        if old:
+            monkeypatch.setattr(split, "solve_split_lazy", before)
+        sol = S.solve(p, backend="cpsat", time_limit_s=30, workers=1, seed=0, deterministic=True)
+        monkeypatch.undo()
+        plan = None if sol.plan is None else {k: v for k, v in sol.plan.to_dict().items() if k != "solve_s"}
+        got.append((sol.status, sol.objective, sol.bound, plan, calls))
+    assert got[0] == got[1]

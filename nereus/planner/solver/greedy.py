@@ -158,7 +158,7 @@ def skeleton_bound(t: Tables | TableBuilder, sk: Skeleton, floors: bool = False)
     return float(_step(t, ms, sync))
 
 
-def price_groups(b: TableBuilder, upper: float) -> Tables:
+def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give_up=None) -> Tables | None:
     """The tables of ``b`` with every (unit, pool size) group priced that ``tighten(..., upper)`` could
     keep an option of, the others left unpriced. A group is *dead* when ``_prune_pass``'s bound over
     its floors (``group_floor``: at most each of its options' durations; a priced group's fastest),
@@ -168,10 +168,19 @@ def price_groups(b: TableBuilder, upper: float) -> Tables:
     options can be kept. Groups die until none does, then the live unpriced ones of generation (whose
     floors are the loosest), else of every other unit, are priced, and again. Every option
     ``tighten(build_tables(p), upper)`` keeps sits in a priced group, and tightening is monotone, so
-    ``tighten(price_groups(b, upper), upper)`` is that same table (``tests/unit/test_solver_bounds.py``)."""
+    ``tighten(price_groups(b, upper), upper)`` is that same table (``tests/unit/test_solver_bounds.py``).
+    ``rollout`` (an async sub-problem, ``split.tables_for``): only generation's group of ``rollout``
+    GPUs and the others' groups of at most N - rollout are candidates, and the trainer phases'
+    GPU-seconds spread over N - rollout, as ``tighten(..., rest=N - rollout)`` spreads them; then
+    ``tighten(tables_for(price_groups(b, upper, r), r), upper, rest=N - r)`` is
+    ``tighten(tables_for(build_tables(p), r), upper, rest=N - r)``. ``give_up(low)``, before each round
+    of pricing, with the live groups' floors: True stops there and returns None (``split.py``: the
+    floors already bound the whole size above the incumbent)."""
     g, tr = b.unit_index(GEN), b.unit_index(ACTOR)
     n, N, P = len(b.units), b.num_gpus, b.n_phases
     limit, dead = upper * (1 + BOUND_SLACK), set()
+    if rollout is not None:
+        dead = {(u, s) for u in range(n) for s in b.sizes if (s != rollout if u == g else s > N - rollout)}
     while True:
         live = [(u, s) for u in range(n) for s in b.sizes if (u, s) not in dead]
         low = {k: group_floor(b, *k) for k in live}
@@ -186,7 +195,8 @@ def price_groups(b: TableBuilder, upper: float) -> Tables:
             others, f = [v for v in range(n) if v != u], low[u, s]
             lbs = []
             for ph in range(P):
-                col = max(f[ph], (f[ph] * s + sum(area[ph][v] for v in others)) / N)
+                gpus = N if rollout is None or ph == 0 else N - rollout
+                col = max(f[ph], (f[ph] * s + sum(area[ph][v] for v in others)) / gpus)
                 lbs.append(max(col, max(fastest[ph][v] for v in others)) if others else col)
             sync = min_sync if u != tr or not all_gen else min(
                 (b.sync_s(o, s, col) for o in gen for col in (False, True)), default=0.0)
@@ -199,6 +209,8 @@ def price_groups(b: TableBuilder, upper: float) -> Tables:
         todo = [k for k in todo if k[0] == g] or todo
         if not todo:
             return b.tables()
+        if give_up is not None and give_up(low):
+            return None
         for k in todo:
             b.group(*k)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from nereus.errors import SpecError
 from nereus.planner.plan import Plan
 from nereus.planner.solver.assignment import check_structure, objective, to_plan
-from nereus.planner.solver.candidates import Tables, build_tables, table_builder
+from nereus.planner.solver.candidates import TableBuilder, Tables, build_tables, table_builder
 from nereus.planner.solver.check import evaluate_plan
 from nereus.planner.solver.greedy import greedy, price_groups, tighten
 from nereus.planner.solver.infeasible import explain_infeasible
@@ -41,6 +41,8 @@ def _tables_and_greedy(problem: PlanProblem, backend: str) -> tuple[Tables, tupl
     hint = greedy(problem, b)
     if hint is None:
         return b.full(), hint
+    if backend != "greedy" and problem.job.schedule.is_async:  # priced per rollout size (split.solve_split_lazy)
+        return b, hint
     return (b.tables() if backend == "greedy" else price_groups(b, hint[0])), hint
 
 
@@ -56,6 +58,11 @@ def _run_backend(problem: PlanProblem, t: Tables, hint, backend: str, time_limit
         return ("OPTIMAL", r[1], r[0]) if r else ("INFEASIBLE", None, math.inf)
     from nereus.planner.solver.formulation import Formulation
 
+    if isinstance(t, TableBuilder):  # an async problem with greedy's plan: each rollout size priced on its own
+        from nereus.planner.solver.split import solve_split_lazy
+
+        warm = _warm_start_if_large if backend == "cpsat" else None
+        return solve_split_lazy(problem, t, hint, backend, time_limit_s, workers, seed, deterministic, warm)
     if hint is not None:
         t = tighten(t, hint[0])
     if t.schedule.is_async:  # one small exact model per rollout size (split.py)
@@ -161,6 +168,8 @@ def _solve_step_time(problem: PlanProblem, backend: str, time_limit_s: float, wo
         return _infeasible(problem, backend, t0)
     with _no_gc():
         status, a, bound = _run_backend(problem, t, hint, backend, time_limit_s, workers, seed, deterministic)
+    if isinstance(t, TableBuilder):  # (what it priced: the plan reads only the tables' frame)
+        t = t.tables()
     if a is None and backend == "greedy":  # a heuristic miss proves nothing
         return PlanSolution(status="INFEASIBLE", objective=math.inf, bound=math.nan, gap=math.nan, plan=None,
                             wall_s=time.perf_counter() - t0, backend=backend,

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
-from nereus.planner.solver.candidates import ACTOR, GEN, Tables
+from nereus.planner.solver.candidates import ACTOR, GEN, TableBuilder, Tables
 from nereus.planner.solver.greedy import tighten
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, placement_skeleton
@@ -68,6 +68,31 @@ def split_bound(t: Tables, r: int) -> float:
     sizes = {o.size for o in t.options[tr]}
     sync = min(t.sync_s(o, s, False) for o in t.options[g] for s in sizes)
     return step_time(t.schedule, [rollout, trainer] + [0.0] * (t.n_phases - 2), sync)
+
+
+def floor_bound(b: TableBuilder, r: int, low: dict) -> float:
+    """``split_bound`` of the rollout on ``r`` GPUs over floors: ``low`` maps each (unit, pool size)
+    group that may hold an option of the size's tables to its floor per phase (``greedy.group_floor``:
+    at most every option's duration); generation's weight sync counts at 0 until its group is priced.
+    Every term is a least value over at most those options, so this is at most ``split_bound`` of the
+    size's tightened tables, and a size it puts at or above the incumbent would be skipped."""
+    g, tr, rest = b.unit_index(GEN), b.unit_index(ACTOR), b.num_gpus - r
+    units = range(len(b.units))
+    if rest <= 0 or any(not any(k[0] == u for k in low) for u in units):
+        return math.inf
+    fast = {u: [min(f[ph] for k, f in low.items() if k[0] == u) for ph in range(b.n_phases)] for u in units}
+    area = {u: [min(f[ph] * k[1] for k, f in low.items() if k[0] == u) for ph in range(b.n_phases)] for u in units}
+    trainer = 0.0
+    for ph in range(1, b.n_phases):
+        us = [u for u in units if u != g and ph in b.units[u].phases]
+        if us:
+            trainer += max(max(fast[u][ph] for u in us), sum(area[u][ph] for u in us) / rest)
+    trainer = max([trainer] + [min(sum(f[1:]) for k, f in low.items() if k[0] == u) for u in units if u != g])
+    sync = 0.0
+    if (g, r) in b.priced:
+        sizes = {k[1] for k in low if k[0] == tr}
+        sync = min((b.sync_s(o, s, False) for o in b.priced[g, r] for s in sizes), default=0.0)
+    return step_time(b.schedule, [fast[g][0], trainer] + [0.0] * (b.n_phases - 2), sync)
 
 
 def _templates(t: Tables, r: int) -> list[Skeleton]:
@@ -117,20 +142,58 @@ def _nested_templates(t: Tables, r: int, together: int | None) -> list[Skeleton]
     return out
 
 
+def solve_split_lazy(problem: PlanProblem, b: TableBuilder, hint, backend: str, time_limit_s: float, workers: int,
+                     seed: int, deterministic: bool = False, warm_start=None):
+    """``solve_split`` of ``tighten(price_groups(b, hint[0]), hint[0])`` (what ``solve`` gave it before)
+    with only what each rollout size needs priced. Every size r gets its own tables at greedy's
+    objective h, priced per size (``price_groups(b, h, r)``: generation on r GPUs, trainers on at
+    most N - r, the trainer phases spread over N - r; floors rule out a whole size unpriced) and
+    tightened with rest = N - r: the same tables ``solve_split``'s seeding tightens a size to (every
+    option they keep survives the cluster-wide tightening too, whose bound is weaker), and a bound
+    at least the size's bound there. A size whose bound reaches h is skipped by ``solve_split``
+    wherever it comes in the order (its incumbent is at most h, its bound only rises); with one size
+    left the order of the sizes cannot matter, so it is solved from these tables with nothing else
+    priced. With two or more left, their order (by the bound over the cluster-wide tables) does, so
+    the whole of ``solve_split``'s tables is priced as before: the same plan either way."""
+    from nereus.planner.solver.greedy import price_groups
+
+    N, h = b.num_gpus, hint[0]
+    subs = []
+    for r in b.sizes:
+        low = {}
+
+        def give_up(floors, r=r, low=low):
+            low[0] = floor_bound(b, r, floors)
+            return low[0] >= h
+
+        if price_groups(b, h, rollout=r, give_up=give_up) is None:  # ruled out on floors: skipped, as
+            subs.append((low[0], r, None))  # split_bound of its tables (at least low[0]) would have it
+            continue
+        tr = tighten(tables_for(b.tables(), r), h, rest=N - r)
+        subs.append((split_bound(tr, r), r, tr))
+    if sum(lb < h for lb, _, _ in subs) >= 2:
+        t = tighten(price_groups(b, h), h)
+        return solve_split(problem, t, hint, backend, time_limit_s, workers, seed, deterministic, warm_start)
+    return solve_split(problem, b.tables(), hint, backend, time_limit_s, workers, seed, deterministic, warm_start,
+                       subs=[x for x in subs if x[1] < N])
+
+
 def solve_split(problem: PlanProblem, t: Tables, hint, backend: str, time_limit_s: float, workers: int, seed: int,
-                deterministic: bool = False, warm_start=None):
+                deterministic: bool = False, warm_start=None, subs=None):
     """(status, assignment or None, bound seconds) of an async problem, like ``solve._run_backend``.
     ``warm_start(problem, tables, hint, time_limit_s, workers, seed, deterministic)``, when given,
-    improves each sub-problem's hint before it is solved (``solve._warm_start``)."""
+    improves each sub-problem's hint before it is solved (``solve._warm_start``). ``subs``: the
+    (bound, rollout size, tables) of each size, when the caller has them (``solve_split_lazy``)."""
     from nereus.planner.solver.assignment import objective
 
     t0 = time.perf_counter()
     g, N = t.unit_index(GEN), t.num_gpus
     best: tuple[float, Assignment] | None = (hint[0], hint[1]) if hint is not None else None
-    subs = []
-    for r in sorted({o.size for o in t.options[g] if o.size < N}):
-        tr = tables_for(t, r)
-        subs.append((split_bound(tr, r), r, tr))
+    if subs is None:
+        subs = []
+        for r in sorted({o.size for o in t.options[g] if o.size < N}):
+            tr = tables_for(t, r)
+            subs.append((split_bound(tr, r), r, tr))
     subs.sort(key=lambda x: (x[0], x[1]))
     bound, proven = math.inf, True
     # first a good plan for each rollout size that may still win (its greedy fill, then the warm
