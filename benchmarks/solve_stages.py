@@ -81,6 +81,7 @@ def _install(clock: _Clock) -> None:
         # runs (inside greedy too); the floors and the group pruning of price_groups are "floors"
         candidates.TableBuilder.group = clock.wrap("tables", candidates.TableBuilder.group)
         S.price_groups = clock.wrap("floors", S.price_groups)
+        greedy.price_groups = clock.wrap("floors", greedy.price_groups)  # (split.py's per rollout size)
         greedy.group_floor = clock.wrap("floors", greedy.group_floor)
     S.greedy = clock.wrap("greedy", S.greedy)
     S._warm_start = clock.wrap("warm", S._warm_start)
@@ -88,7 +89,7 @@ def _install(clock: _Clock) -> None:
         for name in ("tighten",):
             if hasattr(mod, name):
                 setattr(mod, name, clock.wrap("prune", getattr(mod, name)))
-    for name in ("split_bound", "tables_for", "_greedy_fill"):
+    for name in ("split_bound", "tables_for", "_greedy_fill", "floor_bound"):
         if hasattr(split, name):
             setattr(split, name, clock.wrap("split", getattr(split, name)))
     formulation.Formulation = clock.wrap("formulation", formulation.Formulation)
