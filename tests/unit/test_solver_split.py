@@ -238,7 +238,7 @@ def test_each_rollout_size_priced_alone_gets_the_tables_of_the_full_ones(name):
     for r in b.sizes:
         want = tighten(tables_for(full, r), h[0], rest=N - r)
         seen = []
-        got = price_groups(b, h[0], rollout=r, give_up=lambda low, r=r, seen=seen: seen.append(floor_bound(b, r, low)) or False)
+        got = price_groups(b, h[0], rollout=r, give_up=lambda low, r=r, seen=seen: seen.append(floor_bound(b, r, low, h[0])) or False)
         mine = tighten(tables_for(got, r), h[0], rest=N - r)
         if any(not o for o in want.options):  # no plan at this size (either way split_bound is inf)
             assert any(not o for o in mine.options), r

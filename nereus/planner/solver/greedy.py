@@ -175,7 +175,8 @@ def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give
     ``tighten(tables_for(price_groups(b, upper, r), r), upper, rest=N - r)`` is
     ``tighten(tables_for(build_tables(p), r), upper, rest=N - r)``. ``give_up(low)``, before each round
     of pricing, with the live groups' floors: True stops there and returns None (``split.py``: the
-    floors already bound the whole size above the incumbent)."""
+    floors already bound the whole size above the incumbent); with it, the trainer's groups are priced
+    one a round (the order changes only what ``give_up`` sees, not what is priced in the end)."""
     g, tr = b.unit_index(GEN), b.unit_index(ACTOR)
     n, N, P = len(b.units), b.num_gpus, b.n_phases
     limit, dead = upper * (1 + BOUND_SLACK), set()
@@ -211,6 +212,11 @@ def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give
             return b.tables()
         if give_up is not None and give_up(low):
             return None
+        if give_up is not None and all_gen and any(k[0] == tr for k in todo):
+            # one trainer pool at a time, the cheapest weight sync first: once it is priced (and dies),
+            # the sync the others leave may already put the whole size above ``upper``
+            todo = [min((k for k in todo if k[0] == tr), key=lambda k: (min(
+                (b.sync_s(o, k[1], False) for o in gen), default=0.0), k[1]))]
         for k in todo:
             b.group(*k)
 
@@ -294,6 +300,24 @@ def _nested_splits(t: Tables) -> list[Skeleton]:
     return out[:16]
 
 
+def _skipped_on_floors(b: TableBuilder, sk: Skeleton, best: float) -> bool:
+    """``skeleton_bound(b, sk) >= best``, pricing the template's groups one at a time (generation's
+    first: its floor is the loosest) and stopping once the bound over the others' floors reaches
+    ``best``. With every group priced it is ``skeleton_bound`` itself, so the same templates are
+    skipped as when all are priced before the test; a template it skips leaves the rest unpriced."""
+    if skeleton_bound(b, sk, floors=True) >= best:
+        return True
+    g = b.unit_index(GEN)
+    for u in [g] + [v for v in range(len(b.units)) if v != g]:
+        key = (u, sk.slot_size[sk.unit_slot[u]])
+        if key in b.priced:
+            continue
+        b.group(*key)
+        if skeleton_bound(b, sk, floors=True) >= best:
+            return True
+    return False
+
+
 def greedy(problem: PlanProblem, t: Tables | TableBuilder) -> tuple[float, Assignment, Skeleton] | None:
     """Best (objective, assignment, template) over the templates, or None if none fits.
 
@@ -306,8 +330,7 @@ def greedy(problem: PlanProblem, t: Tables | TableBuilder) -> tuple[float, Assig
     if len(templates) > 1:  # free placement: also the nested splits
         templates = templates + _nested_splits(t)
     for i, sk in enumerate(templates):
-        if best is not None and ((lazy and skeleton_bound(t, sk, floors=True) >= best[0])
-                                 or skeleton_bound(t, sk) >= best[0]):
+        if best is not None and ((lazy and _skipped_on_floors(t, sk, best[0])) or skeleton_bound(t, sk) >= best[0]):
             continue
         r = _fill(t, sk)
         if r is not None and (best is None or r[0] < best[0]):

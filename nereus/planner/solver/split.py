@@ -32,7 +32,7 @@ from dataclasses import replace
 from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
 from nereus.planner.solver.candidates import ACTOR, GEN, TableBuilder, Tables
-from nereus.planner.solver.greedy import tighten
+from nereus.planner.solver.greedy import BOUND_SLACK, tighten
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, placement_skeleton
 
@@ -70,7 +70,7 @@ def split_bound(t: Tables, r: int) -> float:
     return step_time(t.schedule, [rollout, trainer] + [0.0] * (t.n_phases - 2), sync)
 
 
-def floor_bound(b: TableBuilder, r: int, low: dict) -> float:
+def floor_bound(b: TableBuilder, r: int, low: dict, upper: float) -> float:
     """``split_bound`` of the rollout on ``r`` GPUs over floors: ``low`` maps each (unit, pool size)
     group that may hold an option of the size's tables to its floor per phase (``greedy.group_floor``:
     at most every option's duration); generation's weight sync counts at 0 until its group is priced.
@@ -88,11 +88,20 @@ def floor_bound(b: TableBuilder, r: int, low: dict) -> float:
         if us:
             trainer += max(max(fast[u][ph] for u in us), sum(area[u][ph] for u in us) / rest)
     trainer = max([trainer] + [min(sum(f[1:]) for k, f in low.items() if k[0] == u) for u in units if u != g])
-    sync = 0.0
-    if (g, r) in b.priced:
+    rollout, sync = fast[g][0], 0.0
+    if (g, r) in b.priced:  # generation's options that tightening may keep: its own test in
+        # greedy._prune_pass against the others' floors (at most their least times), so a superset
+        spread = [sum(area[u][ph] for u in units if u != g) for ph in range(b.n_phases)]
+        most = [max((fast[u][ph] for u in units if u != g), default=0.0) for ph in range(b.n_phases)]
+        keep = [o for o in b.priced[g, r] if step_time(b.schedule, [max(o.durations[0], (o.durations[0] * r + spread[0])
+                / b.num_gpus, most[0])] + [max(spread[ph] / rest, most[ph]) for ph in range(1, b.n_phases)],
+                min(o.sync)) <= upper * (1 + BOUND_SLACK)]
+        if not keep:
+            return math.inf
         sizes = {k[1] for k in low if k[0] == tr}
-        sync = min((b.sync_s(o, s, False) for o in b.priced[g, r] for s in sizes), default=0.0)
-    return step_time(b.schedule, [fast[g][0], trainer] + [0.0] * (b.n_phases - 2), sync)
+        rollout = min(o.durations[0] for o in keep)
+        sync = min((b.sync_s(o, s, False) for o in keep for s in sizes), default=0.0)
+    return step_time(b.schedule, [rollout, trainer] + [0.0] * (b.n_phases - 2), sync)
 
 
 def _templates(t: Tables, r: int) -> list[Skeleton]:
@@ -155,15 +164,19 @@ def solve_split_lazy(problem: PlanProblem, b: TableBuilder, hint, backend: str, 
     left the order of the sizes cannot matter, so it is solved from these tables with nothing else
     priced. With two or more left, their order (by the bound over the cluster-wide tables) does, so
     the whole of ``solve_split``'s tables is priced as before: the same plan either way."""
-    from nereus.planner.solver.greedy import price_groups
+    from nereus.planner.solver.greedy import group_floor, price_groups
 
-    N, h = b.num_gpus, hint[0]
+    g, N, h = b.unit_index(GEN), b.num_gpus, hint[0]
     subs = []
     for r in b.sizes:
+        alone = step_time(b.schedule, [group_floor(b, g, r)[0]] + [0.0] * (b.n_phases - 1), 0.0)
+        if alone >= h:  # generation's floor on r GPUs alone (at most split_bound's rollout term)
+            subs.append((alone, r, None))
+            continue
         low = {}
 
         def give_up(floors, r=r, low=low):
-            low[0] = floor_bound(b, r, floors)
+            low[0] = floor_bound(b, r, floors, h)
             return low[0] >= h
 
         if price_groups(b, h, rollout=r, give_up=give_up) is None:  # ruled out on floors: skipped, as
