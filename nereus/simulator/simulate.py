@@ -31,7 +31,7 @@ from nereus.planner.online.plan_cache import FREE, PlanCache, scale_plan
 from nereus.planner.plan import Plan
 from nereus.planner.solver.problem import CandidateSettings
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
-from nereus.simulator import oracle as offline
+from nereus.simulator import oracle as offline, shared_cache
 from nereus.planner.online.admission import AdmissionConstants
 from nereus.simulator.policies import (COST_RULE, OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO,
                                       make_controller, naive_fix, naive_plan, rescale_naive)
@@ -431,36 +431,40 @@ _FORKED: tuple = ()
 
 
 def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, kw) -> dict[str, PolicyResult]:
-    """The online policies in ``workers`` forked processes. Policies that ask the solver the same
-    questions share a process (and so its plan cache): adaptive with adaptive-restart; the rest are
-    spread by their usual cost (costliest first, each to the least loaded process)."""
+    """The online policies in ``workers`` forked processes that take them from one queue, costliest
+    first, each process its next policy when it is free (so a mis-estimated cost delays no one).
+    adaptive and adaptive-restart are one item (they ask the same questions and run the same plans:
+    one process's truth cache serves both). The processes share their solves, transition bounds and
+    layout-change prices (``shared_cache``), and hand the truth's work back to this process once,
+    at the end."""
     import multiprocessing as mp
 
     global _FORKED
     # rough seconds of each on the 1,000-step, 1,024-GPU benchmark (benchmarks/simulate_speed.py)
     cost = {"adaptive": 6.0, "adaptive-restart": 3.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
             _PICKS: 1.0}
-    groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
-    load = [0.0] * len(groups)
     units = [[n] for n in names if n not in ("adaptive", "adaptive-restart")]
-    pair = [n for n in ("adaptive", "adaptive-restart") if n in names]  # one plan cache: placed together
+    pair = [n for n in ("adaptive", "adaptive-restart") if n in names]
     units += [pair] if pair else []
-    for unit in sorted(units, key=lambda u: -sum(cost.get(n, 1.0) for n in u)):
-        k = min(range(len(groups)), key=load.__getitem__)
-        groups[k] += unit
-        load[k] += sum(cost.get(n, 1.0) for n in unit)
+    units.sort(key=lambda u: -sum(cost.get(n, 1.0) for n in u))
     gt.sample_all()  # every worker reads the same lengths: sampled once, before the fork
-    _FORKED = (job, cluster, trace, gt, plans, kw)
+    ctx = mp.get_context("fork")
+    manager = ctx.Manager()
+    todo = manager.Queue()
+    for unit in units:
+        todo.put(unit)
+    _FORKED = (job, cluster, trace, gt, plans, kw, manager.dict(), todo)
     done: dict[str, Any] = {}
     try:
-        with mp.get_context("fork").Pool(len(groups)) as pool:
-            for rs, priced, stages, engines in pool.imap_unordered(_forked_group, [g for g in groups if g]):
+        with ctx.Pool(min(workers, len(units))) as pool:
+            for rs, priced, stages, engines in pool.imap_unordered(_forked_worker, range(min(workers, len(units)))):
                 done.update(rs)
                 gt.prices.merge(priced)  # the offline policies re-price the online ones' switches otherwise
                 gt.merge_stage_results(stages)  # and re-run the model-stages the online policies ran
                 gt.merge_engine_results(engines)  # and the engine runs other KV budgets of theirs share
     finally:
         _FORKED = ()
+        manager.shutdown()
     return {n: done[n] for n in names}
 
 
@@ -469,21 +473,30 @@ _PICKS = "offline picks"
 its result is (plans, seconds)."""
 
 
-def _forked_group(names: list[str]) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict, dict]:
-    """(each policy's result, the layout changes the truth priced in this process, the model-stage
-    blocks it computed, the generation work it can share between KV budgets)."""
-    job, cluster, trace, gt, plans, kw = _FORKED
+def _forked_worker(_: int) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict, dict]:
+    """One forked process: policies from the queue until it is empty. Returns (each policy's result,
+    the layout changes the truth priced in this process, the model-stage blocks it computed, the
+    generation work it can share between KV budgets)."""
+    import queue
+
+    job, cluster, trace, gt, plans, kw, store, todo = _FORKED
+    shared_cache.share(plans, gt.prices, store)
     out: list[tuple[str, Any]] = []
-    for name in names:
-        if name == _PICKS:
-            t0 = time.perf_counter()
-            picked = offline_picks(job, trace, plans, kw["params"] or CostParams())
-            out.append((name, (picked, time.perf_counter() - t0)))
-            continue
+    while True:
         try:
-            out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
-        except NereusError as e:
-            out.append((name, _not_run(name, len(trace), str(e))))
+            names = todo.get_nowait()
+        except queue.Empty:
+            break
+        for name in names:
+            if name == _PICKS:
+                t0 = time.perf_counter()
+                picked = offline_picks(job, trace, plans, kw["params"] or CostParams())
+                out.append((name, (picked, time.perf_counter() - t0)))
+                continue
+            try:
+                out.append((name, run_online(name, job, cluster, trace, gt, plans, **kw)))
+            except NereusError as e:
+                out.append((name, _not_run(name, len(trace), str(e))))
     return out, gt.prices.priced(), gt.stage_results(), gt.engine_results()
 
 

@@ -169,53 +169,66 @@ def _optimizer_s(st: StageSpec, tab: Tables) -> float:
 
 def _one_f_one_b(f: np.ndarray, b: np.ndarray, p2p: np.ndarray, pp: int) -> np.ndarray:
     """Makespan of 1F1B over ``pp`` identical stages for rows of micro-batch times [X, m] (a zero
-    time is an empty micro-batch); event by event, each stage's ops in the 1F1B order."""
+    time is an empty micro-batch); event by event, each stage's ops in the 1F1B order. Every row
+    follows the same schedule, so which op can run is a per-op flag; the arithmetic of an op is
+    ``max(stage free, dependency) + op time`` on the whole column of rows (columns transposed to be
+    contiguous: the same numbers, read without a stride)."""
     x, m = f.shape
+    ft, bt, pt = (np.ascontiguousarray(a.T) for a in (f, b, p2p))  # [m, X]
     ops = []
     for s in range(pp):
         w = min(pp - s - 1, m)
-        seq = [("F", i) for i in range(w)]
+        seq = [(True, i) for i in range(w)]
         for j in range(m - w):
-            seq += [("F", w + j), ("B", j)]
-        seq += [("B", m - w + j) for j in range(w)]
+            seq += [(True, w + j), (False, j)]
+        seq += [(False, m - w + j) for j in range(w)]
         ops.append(seq)
-    f_end = np.full((pp, m, x), np.nan)
-    b_end = np.full((pp, m, x), np.nan)
-    free = np.zeros((pp, x))
+    zero = np.zeros(x)
+    f_end: list[list[np.ndarray | None]] = [[None] * m for _ in range(pp)]
+    b_end: list[list[np.ndarray | None]] = [[None] * m for _ in range(pp)]
+    free = [zero] * pp
     ptr = [0] * pp
     remaining = sum(len(o) for o in ops)
     while remaining:
         progressed = False
         for s in range(pp):
-            while ptr[s] < len(ops[s]):
-                kind, i = ops[s][ptr[s]]
-                if kind == "F":
-                    dep = np.zeros(x) if s == 0 else f_end[s - 1, i] + p2p[:, i]
+            seq = ops[s]
+            while ptr[s] < len(seq):
+                fwd, i = seq[ptr[s]]
+                if fwd:
+                    up = zero if s == 0 else f_end[s - 1][i]
+                    if up is None:
+                        break
+                    dep = up if s == 0 else up + pt[i]
                 else:
-                    dep = f_end[s, i] if s == pp - 1 else b_end[s + 1, i] + p2p[:, i]
-                if np.isnan(dep[0]):
-                    break
-                start = np.maximum(free[s], dep)
-                end = start + (f[:, i] if kind == "F" else b[:, i])
-                (f_end if kind == "F" else b_end)[s, i] = end
+                    up = f_end[s][i] if s == pp - 1 else b_end[s + 1][i]
+                    if up is None:
+                        break
+                    dep = up if s == pp - 1 else up + pt[i]
+                end = np.maximum(free[s], dep)
+                end += ft[i] if fwd else bt[i]
+                (f_end if fwd else b_end)[s][i] = end
                 free[s] = end
                 ptr[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("1F1B schedule deadlocked")
-    return free.max(axis=0)
+    return np.max(np.stack(free), axis=0)
 
 
 def _forward_pipeline(f: np.ndarray, p2p: np.ndarray, pp: int) -> np.ndarray:
+    """Makespan of a forward-only pipeline (inference) over rows of micro-batch times [X, m]."""
     x, m = f.shape
-    end = np.zeros((pp, x))
+    ft, pt = np.ascontiguousarray(f.T), np.ascontiguousarray(p2p.T)  # [m, X]: contiguous columns
+    end = [np.zeros(x) for _ in range(pp)]
     for i in range(m):
         prev = np.zeros(x)
         for s in range(pp):
-            start = np.maximum(end[s], prev)
-            end[s] = start + f[:, i]
-            prev = end[s] + p2p[:, i]
+            e = np.maximum(end[s], prev)
+            e += ft[i]
+            end[s] = e
+            prev = e + pt[i]
     return end[-1]
 
 
