@@ -31,7 +31,8 @@ from nereus.planner.online.plan_cache import FREE, PlanCache, scale_plan
 from nereus.planner.plan import Plan
 from nereus.planner.solver.problem import CandidateSettings
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
-from nereus.simulator import oracle as offline, shared_cache
+from nereus.simulator import oracle as offline
+from nereus.simulator import shared_cache
 from nereus.planner.online.admission import AdmissionConstants
 from nereus.simulator.policies import (COST_RULE, OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO,
                                       make_controller, naive_fix, naive_plan, rescale_naive)
@@ -431,33 +432,28 @@ _FORKED: tuple = ()
 
 
 def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, kw) -> dict[str, PolicyResult]:
-    """The online policies in ``workers`` forked processes that take them from one queue, costliest
-    first, each process its next policy when it is free (so a mis-estimated cost delays no one).
-    adaptive and adaptive-restart are one item (they ask the same questions and run the same plans:
-    one process's truth cache serves both). The processes share their solves, transition bounds and
-    layout-change prices (``shared_cache``), and hand the truth's work back to this process once,
-    at the end."""
+    """The online policies in ``workers`` forked processes, each taking the costliest policy left in
+    one queue when it is free (adaptive with adaptive-restart: one truth cache serves both); they
+    share solves, bounds and layout-change prices (``shared_cache``) and hand their truth work back."""
     import multiprocessing as mp
 
     global _FORKED
     # rough seconds of each on the 1,000-step, 1,024-GPU benchmark (benchmarks/simulate_speed.py)
     cost = {"adaptive": 6.0, "adaptive-restart": 3.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
             _PICKS: 1.0}
-    units = [[n] for n in names if n not in ("adaptive", "adaptive-restart")]
     pair = [n for n in ("adaptive", "adaptive-restart") if n in names]
-    units += [pair] if pair else []
+    units = [[n] for n in names if n not in pair] + ([pair] if pair else [])
     units.sort(key=lambda u: -sum(cost.get(n, 1.0) for n in u))
     gt.sample_all()  # every worker reads the same lengths: sampled once, before the fork
-    ctx = mp.get_context("fork")
+    ctx, n = mp.get_context("fork"), min(workers, len(units))
     manager = ctx.Manager()
     todo = manager.Queue()
-    for unit in units:
+    for unit in units + [None] * n:  # a None ends each worker
         todo.put(unit)
-    _FORKED = (job, cluster, trace, gt, plans, kw, manager.dict(), todo)
-    done: dict[str, Any] = {}
+    _FORKED, done = (job, cluster, trace, gt, plans, kw, manager.dict(), todo), {}
     try:
-        with ctx.Pool(min(workers, len(units))) as pool:
-            for rs, priced, stages, engines in pool.imap_unordered(_forked_worker, range(min(workers, len(units)))):
+        with ctx.Pool(n) as pool:
+            for rs, priced, stages, engines in pool.imap_unordered(_forked_worker, range(n)):
                 done.update(rs)
                 gt.prices.merge(priced)  # the offline policies re-price the online ones' switches otherwise
                 gt.merge_stage_results(stages)  # and re-run the model-stages the online policies ran
@@ -474,19 +470,12 @@ its result is (plans, seconds)."""
 
 
 def _forked_worker(_: int) -> tuple[list[tuple[str, Any]], dict[tuple, float], dict, dict]:
-    """One forked process: policies from the queue until it is empty. Returns (each policy's result,
-    the layout changes the truth priced in this process, the model-stage blocks it computed, the
-    generation work it can share between KV budgets)."""
-    import queue
-
+    """One forked process: policies from the queue until it is empty -> (each policy's result, and
+    the truth's layout-change prices, model-stage blocks and engine runs of this process)."""
     job, cluster, trace, gt, plans, kw, store, todo = _FORKED
     shared_cache.share(plans, gt.prices, store)
     out: list[tuple[str, Any]] = []
-    while True:
-        try:
-            names = todo.get_nowait()
-        except queue.Empty:
-            break
+    for names in iter(todo.get, None):
         for name in names:
             if name == _PICKS:
                 t0 = time.perf_counter()

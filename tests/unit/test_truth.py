@@ -15,7 +15,7 @@ from nereus.simulator.truth.corpus import CORPUS, tables_for
 from nereus.simulator.truth.engine import _simulate, generation_times
 from nereus.simulator.truth.lengths import LengthSampler
 from nereus.simulator.truth.machine import GroundTruth
-from nereus.simulator.truth.pipeline import _one_f_one_b
+from nereus.simulator.truth.pipeline import _forward_pipeline, _one_f_one_b
 
 H100 = ClusterSpec(gpu=GPU_PRESETS["h100-80gb"], nodes=1)
 JOB = JobSpec(algorithm="grpo", models=(("actor", preset("llama-3.1-8b")), ("ref", preset("llama-3.1-8b"))),
@@ -77,6 +77,60 @@ def test_one_f_one_b_makespan_is_the_textbook_one_for_equal_micro_batches():
         f = np.full((1, m), 1.0)
         done = _one_f_one_b(f, 2 * f, np.zeros((1, m)), pp)
         assert done[0] == pytest.approx((m + pp - 1) * 3.0)
+
+
+def _one_f_one_b_reference(f, b, p2p, pp):
+    """The event loop the truth ran before its columns were made contiguous: [X, m] arrays read by
+    column, readiness by NaN (the reference ``_one_f_one_b`` must equal bit for bit)."""
+    x, m = f.shape
+    ops = []
+    for s in range(pp):
+        w = min(pp - s - 1, m)
+        seq = [("F", i) for i in range(w)]
+        for j in range(m - w):
+            seq += [("F", w + j), ("B", j)]
+        ops.append(seq + [("B", m - w + j) for j in range(w)])
+    f_end, b_end = np.full((pp, m, x), np.nan), np.full((pp, m, x), np.nan)
+    free, ptr = np.zeros((pp, x)), [0] * pp
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        for s in range(pp):
+            while ptr[s] < len(ops[s]):
+                kind, i = ops[s][ptr[s]]
+                if kind == "F":
+                    dep = np.zeros(x) if s == 0 else f_end[s - 1, i] + p2p[:, i]
+                else:
+                    dep = f_end[s, i] if s == pp - 1 else b_end[s + 1, i] + p2p[:, i]
+                if np.isnan(dep[0]):
+                    break
+                end = np.maximum(free[s], dep) + (f[:, i] if kind == "F" else b[:, i])
+                (f_end if kind == "F" else b_end)[s, i] = end
+                free[s] = end
+                ptr[s] += 1
+                remaining -= 1
+    return free.max(axis=0)
+
+
+def _forward_reference(f, p2p, pp):
+    x, m = f.shape
+    end = np.zeros((pp, x))
+    for i in range(m):
+        prev = np.zeros(x)
+        for s in range(pp):
+            end[s] = np.maximum(end[s], prev) + f[:, i]
+            prev = end[s] + p2p[:, i]
+    return end[-1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pipelines_equal_the_column_by_column_event_loop_bit_for_bit(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        x, m, pp = int(rng.integers(1, 200)), int(rng.integers(1, 30)), int(rng.integers(1, 9))
+        f, b, p2p = rng.random((x, m)), 3 * rng.random((x, m)), 0.1 * rng.random((x, m))
+        f[rng.random((x, m)) < 0.2] = 0.0  # empty micro-batches
+        assert np.array_equal(_one_f_one_b(f, b, p2p, pp), _one_f_one_b_reference(f, b, p2p, pp))
+        assert np.array_equal(_forward_pipeline(f, p2p, pp), _forward_reference(f, p2p, pp))
 
 
 def test_an_out_of_memory_step_is_a_crash_with_lost_time():
