@@ -9,6 +9,18 @@ from nereus.commands.common import (add_job_cluster, console, load_specs, nonneg
                                     write_json)
 from nereus.jsonio import atomic_path
 
+def policy_list(text: str) -> tuple[str, ...]:
+    """``--policy``: one policy or several separated by commas, each named in CHOICES, none twice."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in CHOICES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(map(repr, bad)) or repr(text)} "
+                                         f"(choose from {', '.join(CHOICES)})")
+    if len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"a policy named twice in {text!r}")
+    return names
+
+
 CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl", "openrlhf",
            "openrlhf-colocate", "gamma", "gamma-restart", "always-restart", "static-split", "hindsight-split",
            "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
@@ -39,8 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                             "(default: the job's sequence.response_len_max)")
     p.add_argument("--gpus", type=pos_int, help="GPUs of the logged run when --trace is a job log (default: the "
                                                 "cluster's)")
-    p.add_argument("--policy", choices=CHOICES, default="all",
-                   help="all: every policy (with --schedule other than sync also the async baselines)")
+    p.add_argument("--policy", type=policy_list, default=("all",), metavar="|".join(CHOICES),
+                   help="a policy, several separated by commas (static,adaptive,hindsight), or all: every "
+                        "policy (with --schedule other than sync also the async baselines)")
     p.add_argument("--schedule", choices=("auto", "sync", "one_step_off", "fully_async"),
                    help="override the job's schedule (async: rollout and trainer on disjoint pools; the sync "
                         "policies keep synchronous steps, adaptive and static-split plan the schedule asked)")
@@ -123,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
                                gpus=args.gpus or cluster.num_gpus)
     if args.steps:
         trace = trace.head(args.steps)
-    policies = (POLICIES + (ASYNC_POLICIES if job.schedule.kind != "sync" else ())) if args.policy == "all" \
-        else (args.policy,)
+    policies = (POLICIES + (ASYNC_POLICIES if job.schedule.kind != "sync" else ())) if "all" in args.policy \
+        else args.policy
     with atomic_path(args.audit) if args.audit else contextlib.nullcontext() as audit:  # whole, or not at all
         results = simulate(job, cluster, trace, policies, params=params, horizon=args.horizon, margin=args.margin,
                            seed=args.seed, time_limit_s=args.time_limit, audit_path=audit and str(audit),

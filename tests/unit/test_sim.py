@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from nereus.cli import main
+from nereus.commands.simulate import CHOICES
 from nereus.simulator.simulate import simulate
 from nereus.simulator.schedules import TransitionSchedules
 from nereus.simulator.trace import parse_trace
@@ -119,6 +120,22 @@ def test_cli_simulate_writes_json_and_rejects_bad_policy(tmp_path, capsys):
     rc = main(["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-1n.yaml",
                "--trace", str(trace), "--policy", "static"])
     assert rc == 2 and "asks for 32 GPUs" in capsys.readouterr().err
+
+
+def test_cli_simulate_runs_the_policies_a_comma_list_names_and_no_other(tmp_path, capsys):
+    """``--policy static,verl`` runs those two (a repeated flag used to keep only the last, silently);
+    a misspelt or repeated name is a one-line usage error naming it."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    out = tmp_path / "s.json"
+    args = ["simulate", "--job", "examples/grpo-7b.yaml", "--cluster", "examples/cluster-h100-4n.yaml",
+            "--trace", str(trace), "--steps", "6"]
+    assert main([*args, "--policy", "static,verl", "--json", str(out)]) == 0
+    assert {"static", "verl"} == set(json.loads(out.read_text())) & {*CHOICES}
+    for bad, says in (("static,adaptve", "unknown policy 'adaptve'"), ("static,static", "named twice")):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--policy", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_forked_runs_hand_the_offline_policies_the_solver_picks_a_serial_run_makes(world, monkeypatch):
