@@ -20,32 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests/unit"), str(ROOT / "benchmarks")]
 
-from test_solver_bounds import _random_problem  # noqa: E402
+from test_solver_bounds import _random_problem, floor_violations  # noqa: E402
 
-from nereus.planner.cost.floors import generation_floor, pass_floor  # noqa: E402
 from nereus.planner.solver import candidates  # noqa: E402
-from nereus.planner.solver.candidates import GEN, TableBuilder, _option_rows  # noqa: E402
-from nereus.planner.solver.greedy import group_floor  # noqa: E402
 
 S = importlib.import_module("nereus.planner.solver.solve")
-
-
-def floor_violations(p) -> tuple[int, int]:
-    candidates._build_tables_cached.cache_clear()
-    b = TableBuilder(p)
-    rows = bad = 0
-    for u, unit in enumerate(b.units):
-        model = p.job.model(unit.stages[0].split("/")[0])
-        fns = ([generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions))]
-               if unit.name == GEN else [pass_floor(p.job, p.cluster, ms, model, p.workload, p.params)
-                                         for ms in unit.stages])
-        for s in b.sizes:
-            floor = group_floor(b, u, s)
-            for _, row in _option_rows(p, unit, s, b.n_phases, b.sync_keys, b.est):
-                rows += 1
-                bad += any(not fn(row["config"]) <= t for fn, t in zip(fns, row["stage_times"]))
-                bad += not all(f <= d for f, d in zip(floor, row["durations"]))
-    return rows, bad
 
 
 def solve_both(p) -> list[tuple]:
@@ -85,13 +64,13 @@ def main() -> int:
         res["valid"] += 1
         rows, bad = floor_violations(p)
         res["rows"] += rows
-        res["floor_violations"] += bad
+        res["floor_violations"] += len(bad)
         full, lazy = solve_both(p)
         res["optimal"] += full[0] == "OPTIMAL"
         res["infeasible"] += full[0] == "INFEASIBLE"
         if full != lazy:
             res["differ"].append({"seed": k, "full": full, "on_demand": lazy})
-        print(f"{k}: {rows} rows, {bad} floor violations, {full[0]} {full[1]} {'same' if full == lazy else lazy}",
+        print(f"{k}: {rows} rows, {len(bad)} floor violations, {full[0]} {full[1]} {'same' if full == lazy else lazy}",
               flush=True)
     res.update(wall_s=time.perf_counter() - t0, load_average_before=load0, load_average_after=os.getloadavg()[0])
     print(json.dumps({k: v for k, v in res.items() if k != "differ"}), f"differ: {len(res['differ'])}")

@@ -44,31 +44,35 @@ FLOOR_CASES = (*CHEAP, "ppo-8b@1024", "ppo-70b@1024", "ppo-8b@64+padded", "ppo-8
                "ppo-8b@64+eager", "grpo-qwen3-30b-a3b@32+padded")
 
 
+def floor_violations(p) -> tuple[int, list[tuple]]:
+    """(rows priced, violations) over every row of every group of problem ``p`` (before dominance):
+    a stage's floor above its priced time, or the group floor above a row's duration in a phase."""
+    candidates._build_tables_cached.cache_clear()
+    b = TableBuilder(p)
+    rows, bad = 0, []
+    for u, unit in enumerate(b.units):
+        model = p.job.model(unit.stages[0].split("/")[0])
+        if unit.name == GEN:
+            fns = [generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions))]
+        else:
+            fns = [pass_floor(p.job, p.cluster, ms, model, p.workload, p.params) for ms in unit.stages]
+        for s in b.sizes:
+            floor = group_floor(b, u, s)
+            for _, row in _option_rows(p, unit, s, b.n_phases, b.sync_keys, b.est):
+                rows += 1
+                cfg = row["config"]
+                bad += [(unit.name, s, cfg, fn(cfg), t) for fn, t in zip(fns, row["stage_times"]) if not fn(cfg) <= t]
+                if not all(f <= d for f, d in zip(floor, row["durations"])):
+                    bad.append((unit.name, s, cfg, floor, row["durations"]))
+    return rows, bad
+
+
 @pytest.mark.parametrize("name", FLOOR_CASES)
 def test_every_floor_is_at_most_the_priced_time(name):
     """Per row of every group (before dominance): each stage's floor <= its priced time, and the
     group floor <= every row's duration per phase."""
-    p = _variant(name)
-    candidates._build_tables_cached.cache_clear()
-    b = TableBuilder(p)
-    rows = 0
-    for u, unit in enumerate(b.units):
-        model = p.job.model(unit.stages[0].split("/")[0])
-        for s in b.sizes:
-            floor = group_floor(b, u, s)
-            got = _option_rows(p, unit, s, b.n_phases, b.sync_keys, b.est)
-            for _, row in got:
-                cfg = row["config"]
-                if unit.name == GEN:
-                    fns = [generation_floor(p.job, p.cluster, model, p.workload, p.params,
-                                            max(p.candidates.kv_fractions))]
-                else:
-                    fns = [pass_floor(p.job, p.cluster, ms, model, p.workload, p.params) for ms in unit.stages]
-                for fn, t in zip(fns, row["stage_times"]):
-                    assert fn(cfg) <= t, (name, unit.name, s, cfg, fn(cfg), t)
-                assert all(f <= d for f, d in zip(floor, row["durations"])), (name, unit.name, s, floor, row)
-            rows += len(got)
-    assert rows > 0
+    rows, bad = floor_violations(_variant(name))
+    assert rows > 0 and not bad, (name, bad[:3])
 
 
 def test_the_floors_are_tight_enough_to_skip():
@@ -197,20 +201,5 @@ def test_every_floor_holds_on_random_jobs(seed):
     p = _random_problem(random.Random(1000 + seed))
     if p is None:
         pytest.skip("the draw is not a valid job")
-    candidates._build_tables_cached.cache_clear()
-    b = TableBuilder(p)
-    rows = 0
-    for u, unit in enumerate(b.units):
-        model = p.job.model(unit.stages[0].split("/")[0])
-        if unit.name == GEN:
-            fns = [generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions))]
-        else:
-            fns = [pass_floor(p.job, p.cluster, ms, model, p.workload, p.params) for ms in unit.stages]
-        for s in b.sizes:
-            floor = group_floor(b, u, s)
-            for _, row in _option_rows(p, unit, s, b.n_phases, b.sync_keys, b.est):
-                rows += 1
-                for fn, t in zip(fns, row["stage_times"]):
-                    assert fn(row["config"]) <= t, (seed, unit.name, s, row["config"])
-                assert all(f <= d for f, d in zip(floor, row["durations"])), (seed, unit.name, s)
-    assert rows > 0
+    rows, bad = floor_violations(p)
+    assert rows > 0 and not bad, (seed, bad[:3])
