@@ -194,8 +194,8 @@ def _random_problem(rng):
 @pytest.mark.parametrize("seed", range(12))
 def test_every_floor_holds_on_random_jobs(seed):
     """The solver is exact only if no floor exceeds a price on jobs nobody wrote a test for: per
-    random job, every row of every group. (An ad-hoc run of this check over 177 such jobs found no
-    violation.)"""
+    random job, every row of every group. (`benchmarks/solver_fuzz.py --jobs 200` runs the same check
+    on 200 draws: no violation, `benchmarks/results/solver_fuzz.json`.)"""
     import random
 
     p = _random_problem(random.Random(1000 + seed))
