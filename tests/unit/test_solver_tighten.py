@@ -161,3 +161,69 @@ def test_the_nested_split_template_finds_the_1024_gpu_optimum():
     sol = solve(p, backend="cpsat", workers=1)
     assert sol.status == "OPTIMAL" and g[0] == pytest.approx(sol.objective, rel=1e-9)
     assert _count(tighten(t, g[0])) < 100
+
+
+def _first_best_fill(p, t):
+    """greedy's result by definition: every template filled, the least objective, of ties the first
+    template in ``greedy_templates``'s order (the list greedy searches in bound order instead)."""
+    templates = greedy_templates(p, t)
+    if len(templates) > 1:
+        templates = templates + _nested_splits(t)
+    best = None
+    for sk in templates:
+        r = _fill(t, sk)
+        if r is not None and (best is None or r[0] < best[0]):
+            best = (r[0], r[1], sk)
+    return best
+
+
+TIED_1024 = ("examples/ppo-8b.yaml", None), ("examples/ppo-70b.yaml", "one_step_off"), \
+    ("examples/ppo-70b.yaml", "fully_async")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=("sync", "one_step_off", "fully_async"))
+def test_greedy_in_bound_order_returns_the_first_best_template_of_the_list(seed, schedule):
+    from nereus.planner.solver.candidates import TableBuilder
+
+    p = _problem(seed, schedule)
+    t = build_tables(p)
+    want = _first_best_fill(p, t)
+    assert greedy(p, t) == want
+    assert greedy(p, TableBuilder(p)) == want
+
+
+@pytest.mark.parametrize("job,kind", TIED_1024)
+def test_greedy_breaks_ties_between_templates_as_the_list_orders_them(job, kind):
+    """At 1,024 H100s: PPO 8B has two templates whose fills tie (30.10 s), the later in the list with
+    the lower bound, so a search in bound order that let a tie replace the best would return the
+    other one; the async rows fill their best template first in bound order."""
+    from nereus.planner.solver import PlanProblem
+    from nereus.planner.solver.candidates import TableBuilder
+    from nereus.planner.specs import load_cluster, load_job
+
+    j = load_job(job)
+    if kind:
+        j = replace(j, schedule=replace(j.schedule, kind=kind))
+    p = PlanProblem(job=j, cluster=load_cluster("examples/cluster-h100-1n.yaml").with_gpus(1024), workload=j.workload())
+    t = build_tables(p)
+    want = _first_best_fill(p, t)
+    assert greedy(p, t) == want
+    assert greedy(p, TableBuilder(p)) == want
+
+
+@pytest.mark.parametrize("bounds", [(0.9, 0.5, 0.1), (0.5, 0.9, 0.1), (0.1, 0.5, 0.9), (1.0, 1.0, 0.1), (1.0, 0.5, 0.1)])
+def test_of_templates_that_tie_greedy_returns_the_first_whatever_their_bounds(bounds, monkeypatch):
+    """Three templates, the first two filling to the same step time: whichever order their bounds
+    put them in, the first of the list is returned (a tie may not replace the best, and a later
+    template that can only tie it is skipped, an earlier one not)."""
+    import nereus.planner.solver.greedy as G
+
+    t = build_tables(_problem(0))
+    names = ("first", "second", "third")
+    fills = {"first": 1.0, "second": 1.0, "third": 2.0}
+    monkeypatch.setattr(G, "greedy_templates", lambda p, t: list(names))
+    monkeypatch.setattr(G, "_nested_splits", lambda t: [])
+    monkeypatch.setattr(G, "skeleton_bound", lambda t, sk, floors=False: bounds[names.index(sk)])
+    monkeypatch.setattr(G, "_fill", lambda t, sk: (fills[sk], sk))
+    assert G.greedy(None, t) == (1.0, "first", "first")

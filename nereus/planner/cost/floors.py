@@ -95,13 +95,18 @@ def generation_floor(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, w: Wo
     response, plus (n - c) * mean / c queued while more wait than run), and the sequence-steps A
     (sum of steps * active: on the grid sum (x - x') * min(c, max(a', 1)) plus (n - c) * mean queued,
     concave in c up to n and constant beyond, so at least its value at c = 1 or c = min(most, n);
-    n * mean when streaming, the longest times n with a static engine). Each step reads the stage's
-    weights once per pipeline stage, each sequence-step at least its prompt's KV (``decode_memory``
-    >= both over HBM); the engine's overhead is o0 per step + o1 per sequence-step; TP inside one
+    n * mean when streaming, the longest times n with a static engine), and the context tokens the
+    sequence-steps read (the same sums, each segment's weighted by its context P + (x' + x) / 2, the
+    queue's and the streaming engine's by P + mean, a static engine's by P + longest / 2, as
+    ``generation._decode_phase`` runs them; concave in c likewise). Each step reads the stage's
+    weights once per pipeline stage, each sequence-step its context's KV (``decode_memory`` >= both
+    over HBM); the engine's overhead is o0 per step + o1 per sequence-step; TP inside one
     node pays every layer's two all-reduces, their latency per step and (dense models) their bytes
-    per sequence-step. Plus the host work per response and a colocated engine's weights to the host
-    and back. Every term left out (prefill, compute beyond memory, the rest of the KV and
-    collectives, the KV pool's re-creation) is >= 0."""
+    per sequence-step. Plus the prefill's compute (dense models: the GEMMs at the pass's base
+    efficiency, which ``matmul_eff`` never exceeds, and attention), the host work per response and
+    a colocated engine's weights to the host and back. Every term left out (the rest of prefill,
+    compute beyond memory, the rest of the KV and collectives, partial rollouts' resumption, the KV
+    pool's re-creation) is >= 0."""
     hbm = p.hbm_eff * cluster.gpu.hbm_bytes_per_s
     o0, o1 = p.engine_overhead_terms(job.rollout.engine)
     static = job.rollout.engine == "static"
@@ -112,10 +117,22 @@ def generation_floor(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, w: Wo
     intra, _ = links(cluster, p)
     lat = 2 * (latency_steps(1) * max(p.inter_latency_s, p.allreduce_latency_s))
     scale = p.factor("generation") * (1 - FLOOR_MARGIN)
+    # prefill (``generation.prefill_s``, dense models): every prompt's GEMMs and attention at the
+    # pass's best efficiency (``matmul_eff`` <= its base), the step's n prompts per replica
+    peak_flops = cluster.gpu.peak_flops
+    prompt_s = 0.0 if model.is_moe else (2 * model.matmul_params() * P / (peak_flops * p.mfu_prefill)
+                                         + 2 * model.layers * model.heads * model.head_dim * P ** 2
+                                         / (peak_flops * p.mfu_attn))
 
-    def seq_steps(grid, n: int, c: float) -> float:
-        out = sum((x - px) * min(c, max(a, 1.0)) for (px, a), (x, _) in pairwise(grid))
-        return out + max(0, n - c) * mean
+    def seq_steps(grid, n: int, c: float) -> tuple[float, float]:
+        """(sequence-steps, the context tokens they read) at concurrency c, as ``_decode_phase`` runs them."""
+        out = ctx = 0.0
+        for (px, a), (x, _) in pairwise(grid):
+            s = (x - px) * min(c, max(a, 1.0))
+            out += s
+            ctx += s * (P + (px + x) / 2)
+        q = max(0, n - c) * mean
+        return out + q, ctx + q * (P + mean)
 
     def floor(cfg: ParallelConfig) -> float:
         tp, pp = cfg.tp, cfg.pp
@@ -129,13 +146,16 @@ def generation_floor(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, w: Wo
         most = max(1, min(runs, int(budget // (kvg * peak)))) if budget > 0 else 1
         if streaming:
             steps, seqs = n * mean / most, n * mean
+            ctx = seqs * (P + mean)
         elif static:
             steps, seqs = longest * math.ceil(n / most), longest * n
+            ctx = seqs * (P + longest / 2)
         else:
             grid = decode_grid(n, mean, p90, cap, total=w.sequences)
             steps = longest + max(0, n - most) * mean / most
-            seqs = min(seq_steps(grid, n, 1.0), seq_steps(grid, n, float(min(most, n))))
-        t = steps * (pp * weights / hbm + o0) + seqs * P * kvg / hbm
+            one, most_c = seq_steps(grid, n, 1.0), seq_steps(grid, n, float(min(most, n)))
+            seqs, ctx = min(one[0], most_c[0]), min(one[1], most_c[1])
+        t = steps * (pp * weights / hbm + o0) + ctx * kvg / hbm
         t += seqs * o1 if o1 >= 0 else steps * o1 * job.rollout.max_num_seqs
         if tp > 1 and nodes_spanned(cluster, tp, 1) == 1:
             n_ar = 2 * model.layers
@@ -143,6 +163,7 @@ def generation_floor(job: JobSpec, cluster: ClusterSpec, model: ModelSpec, w: Wo
             if not model.is_moe:
                 t += seqs * n_ar * (2 * (tp - 1) / tp) * (model.hidden * 2 / pp) / intra
         t += n * p.gen_response_host_s
+        t += n * prompt_s / (tp * pp)
         if sleeps:
             t += 2 * host_copy_s(full, p)
         return t * scale
