@@ -77,7 +77,7 @@ def greedy_templates(problem: PlanProblem, t: Tables) -> list[Skeleton]:
         out = []
         for s in sorted(halves, reverse=True)[:3]:
             rest = max(x for x in t.sizes if x + s <= N)
-            for gen_size, train_size in ((s, rest), (rest, s)):
+            for gen_size, train_size in {(s, rest): None, (rest, s): None}:  # (one split when s is half)
                 out.append(Skeleton(slot_size=(train_size, gen_size), slot_parent=(-1, -1),
                                     unit_slot=tuple(1 if u == g else 0 for u in range(n))))
         return out + apart
