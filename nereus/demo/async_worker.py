@@ -39,7 +39,7 @@ from nereus.demo.async_plan import (
     trainer_ranks,
 )
 from nereus.demo.grpo import group_advantages
-from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
+from nereus.demo.setup import DEMO_MODEL, LAST_STEP, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
 from nereus.demo.worker import (
     _bcast,
@@ -381,7 +381,7 @@ def async_main(rank: int, world: int, cfg: DemoConfig, full: dict, job, cluster,
         rec["oom"] = rec["peak_mem_frac"] > 1.0
         if step == 0:
             rec["first_sync"] = first_sync
-        rec = run.decide(rec)
+        rec = run.decide(rec) if step + 1 < cfg.steps else {**rec, **LAST_STEP}
         # version step+1 onto the (possibly new) rollout ranks: after a re-split, its new replicas
         rec = add_sync(rec, run.weight_sync() if step + 1 < cfg.steps else None)
         records.append(rec)

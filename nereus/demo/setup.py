@@ -120,6 +120,10 @@ from step 0), the 1-rank rollout pool went over budget at steps 5-7 (the KV cach
 sequences on one rank) before the controller found a 2 : 2 split that fits."""
 
 
+LAST_STEP = {"decision": "stay", "reason": "the last step: no later step for a switch to pay in"}
+"""The record fields of the run's last step: its workers do not ask the controller (a switch decided
+there would be applied, and counted, after the run's work is done)."""
+
 POLICIES = ("adaptive", "static", "static+recompute", "model-hindsight")
 """adaptive: the online controller, free to change layout. static: one layout for the whole run, the
 one a user would pick before it (``policy.static_plan``). static+recompute: the same choice with

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.demo.grpo import group_advantages
-from nereus.demo.setup import DEMO_MODEL, DemoConfig, cap_at
+from nereus.demo.setup import DEMO_MODEL, LAST_STEP, DemoConfig, cap_at
 from nereus.demo.task import CountingTask
 from nereus.errors import SpecError, TransitionError
 from nereus.executor.apply import RolledBack, apply_transition
@@ -313,7 +313,7 @@ def rank_main(rank: int, world: int, cfg: DemoConfig, full: dict, job, cluster, 
         bar = tqdm(total=cfg.steps, desc=f"{policy} GRPO steps", unit="step", leave=False)
     for step in range(cfg.steps):
         rec = run.step(step)
-        rec = run.decide(rec)
+        rec = run.decide(rec) if step + 1 < cfg.steps else {**rec, **LAST_STEP}
         records.append(rec)
         if bar is not None:
             bar.set_postfix(len=f"{rec['response_len_mean']:.0f}", plan=rec["plan"].split()[0],
