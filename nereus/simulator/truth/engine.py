@@ -169,7 +169,8 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
             am[rows] = k
             mn[rows] = sub[np.arange(len(rows)), k]
 
-    for it in range(MAX_EVENTS):
+    it = 0  # the reference's event count: an admission pass and each round of preemptions are one
+    while it < MAX_EVENTS:
         alive = ndone < nvalid
         n_alive = int(alive.sum())
         if n_alive < r and (n_alive == 0 or 4 * n_alive < 3 * r):  # drop finished replicas (clocks final)
@@ -196,7 +197,9 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
             first = pf[sr] + gbase[sr, stack[sr, psize[sr] - 1]] + 1
             sr = sr[(first <= room[sr]) & (slots[sr] >= 1)]   # rows that admit at least the top one
         if len(sr):
-            k = int(min(psize[sr].max(), slots[sr].max()))
+            # each admission needs at least p + 1 of the room, so no more than room / (p + 1) (+ 1 for rounding) fit
+            fit = np.floor(room[sr] / (pf[sr] + 1)).astype(np.int64) + 1
+            k = int(np.minimum(np.minimum(psize[sr], slots[sr]), fit).max())
             pos = psize[sr, None] - 1 - np.arange(k)[None, :]
             inside = pos >= 0
             idx = stack[sr[:, None], np.maximum(pos, 0)]
@@ -246,7 +249,7 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
         used_f = used.astype(np.float64)
         free = kv - used_f
         short = np.nonzero(free < nrun)[0]
-        if len(short):
+        while len(short):  # the reference's preemption rounds, each one event (its admission passes between them admit nothing)
             vc = np.argmax(adm[short], axis=1)
             gen = gbase[short, vc] + tick[short] - atick[short, vc]
             gbase[short, vc] = gen
@@ -258,7 +261,16 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
             nrun[short] -= 1
             preempted[short] += 1
             refresh(short[am[short] == vc])
-            continue
+            it += 1
+            if it >= MAX_EVENTS:
+                break
+            if (nrun[short] == 0).any():
+                raise ValueError("generation: a sequence does not fit in the KV budget on its own")
+            short = short[kv - used[short].astype(np.float64) < nrun[short]]
+        if it >= MAX_EVENTS:
+            break
+        used_f = used.astype(np.float64)
+        free = kv - used_f
         # ---- decode to the next event: a finish, or the KV budget full
         to_finish = mn - tick
         to_full = np.floor(free / np.maximum(nrun, 1)).astype(np.int64)
@@ -278,6 +290,7 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
             adm[ended, ec] = -1
             refresh(ended)
             ended = ended[mn[ended] <= tick[ended]]
+        it += 1
     raise ValueError(f"generation: event simulation did not finish in {MAX_EVENTS} events")
 
 
