@@ -252,8 +252,11 @@ class GroundTruth:
         prompt = self.prompt[lo:lo + len(lengths)]
         if key[0] == "generation":
             hit = self._generation(key, b, lengths, prompt, self.cap[lo:lo + len(lengths)])
-        else:
-            hit = self._train_infer(key, lengths, prompt)
+        else:  # model-stages that differ only in their role (actor and reference inference) share the run
+            same = (self._kernel_of(key[0]),) + key[1:]
+            hit = self._stage.get((same, b))
+            if hit is None:
+                hit = self._stage[(same, b)] = self._train_infer(key, lengths, prompt)
         if len(self._stage) > 50_000:
             self._stage.clear()
         self._stage[(key, b)] = hit
@@ -316,6 +319,11 @@ class GroundTruth:
             if self.share_engines:
                 self._engines[key] = hit
         return hit
+
+    def _kernel_of(self, name: str) -> tuple:
+        """What ``_train_infer`` reads of a model-stage's name: its model, training or not, value head."""
+        role, _, stage = name.partition("/")
+        return ("train/infer", self.job.model(role), stage == "training", role in ("critic", "reward"))
 
     def _train_infer(self, key: tuple, lengths: np.ndarray, prompt: np.ndarray):
         name, tp, pp, dp, mb, budget, sp, zero, recompute, span_inter, stage_inter = key
