@@ -103,6 +103,11 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
     - a running sequence decodes one token per iteration, so it finishes at a fixed decode tick
       (``fin``); the next finish is the row's minimum, kept with its argument and updated on each
       admission, preemption and finish; a sequence's generated tokens are ``gbase + tick - atick``;
+    - a row's preemption rounds run one after another inside one pass of the loop: in the
+      reference, the admission passes between them admit nothing (the row is out of KV, and its
+      latest victim needs p + generated + 1 tokens of room, more than freeing it leaves past the
+      watermark), so the rows not pressed no longer wait through them; each round still counts as
+      one event toward ``MAX_EVENTS``;
     - KV tokens held, running counts and queue pointers are integers kept per replica (exact).
 
     Needs whole-number prompt lengths (the truth's); otherwise the reference runs. ``demand``:
@@ -249,7 +254,7 @@ def _simulate(reps: np.ndarray, prompt: np.ndarray, a: np.ndarray, beta: float, 
         used_f = used.astype(np.float64)
         free = kv - used_f
         short = np.nonzero(free < nrun)[0]
-        while len(short):  # the reference's preemption rounds, each one event (its admission passes between them admit nothing)
+        while len(short):  # the reference's preemption rounds, one event each (see the docstring)
             vc = np.argmax(adm[short], axis=1)
             gen = gbase[short, vc] + tick[short] - atick[short, vc]
             gbase[short, vc] = gen
