@@ -35,12 +35,13 @@ import torch
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.executor.arena import trim_cache
-from nereus.executor.reshard.checksum import SourceSums
+import nereus.executor.reshard.checksum as checksum_mod
 from nereus.executor.reshard.exchange import _run_round
 from nereus.executor.reshard.faults import (CORRUPTIONS, FAULT_KINDS, FaultSpec, _Corruption,  # noqa: F401 - re-exported
                                             _inject)
 from nereus.executor.reshard.pieces import (STAGING_BYTES, _merged, _NewLayout, _prepare,  # noqa: F401 - re-exported
                                             reserve_arena, round_groups)
+from nereus.executor.reshard.program import program, source_sums
 from nereus.executor.reshard.vote import RolledBack, transition_worst_case_s, vote_wait_s
 from nereus.executor.store import ShardStore
 from nereus.executor.transport import Transport
@@ -123,7 +124,8 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     groups: list[tuple[int, int]] = []
     rounds = plan.rounds  # a max over every op: taken once
     staged = [0] * rounds
-    items: dict | None = None
+    items: list | None = None
+    sums = None
     aborted = [False]
 
     def abort_now() -> None:  # NCCL: this rank rolls back, so its data communicators go now, before the vote
@@ -141,7 +143,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                                   f"pg_timeout_s >= vote.nccl_pg_timeout_s(...)")
         major = {(m, t): d for m, t, d in plan.major}  # (model, tensor) -> dim stored outermost
         new = _NewLayout(store, plan, rank, major)
-        items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes, major)
+        items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes, major, views=False)
         new.check_complete(rank)  # the plan covers every new element exactly once: else stop before any byte moves
         counters["copied"] += new.relocated_bytes
         counters["allocate_s"] = time.perf_counter() - t0
@@ -156,16 +158,20 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     if ok:
         try:
             groups = round_groups(spread[1:], staging_bytes)
-            items = {lo: _merged(it, store, new, major)
-                     for lo, hi in groups for it in [[x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())]]}
+            src_t, dst_t, geo = new.bases
+            prog = program(new.recipe, geo, groups, transport.bucket_bytes, store, new, src_t, dst_t)
+            items = prog.views(store, src_t, dst_t)  # every piece's view, one as_strided each
+            if items is None:
+                raise TransitionError("a held region the compiled exchanges read joined pieces from is not held")
             verify = None
-            sums = SourceSums(store)
+            sums = source_sums(prog, items, lambda parts: checksum_mod.checksums_of(parts))
             corruption = _Corruption(fault.kind) if fault is not None and fault.rank == rank \
                 and fault.kind in CORRUPTIONS else None
-            for lo, hi in groups:
+            for x in prog.exchanges:
+                lo, hi = x.lo, x.hi
                 _inject(fault, rank, lo, hi, "before")
                 counters["exchanges_started"] += 1
-                verify = _run_round(items[lo], store, rank,
+                verify = _run_round(x, items, store, rank,
                                     transport, timeout_s, counters, sums, f"{lo}" if lo == hi else f"{lo}-{hi}", verify,
                                     corrupt=corruption if corruption is not None and fault.round <= hi else None)
                 counters["exchanges_done"] += 1
@@ -202,7 +208,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                          vote_completed=vote_completed, groups_rebuilt=rebuilt, groups_lost=lost)
     for m, step in zip(models, vote[1:]):
         store.step[m] = step
-    items = None  # drop this rank's views of the old state, so its buffers are free for the trim
+    items = sums = new.bases = None  # drop this rank's views of the old state, so its buffers are free for the trim
     store.replace(new.tensors.items())
     trim_cache()  # the old state's buffers are free now: keep at most cache_limit() of them
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))

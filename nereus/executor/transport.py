@@ -90,7 +90,7 @@ class Transport(ABC):
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
         self.finish(self.start(), timeout_s)
 
-    def start(self, before_send=None, after_pack=None) -> "Posted | None":
+    def start(self, before_send=None, after_pack=None, messages=None) -> "Posted | None":
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
@@ -101,9 +101,13 @@ class Transport(ABC):
         ``SEND_GROUP_BYTES``, each right after its hook ran; the others (NCCL) run every hook,
         then post the exchange as one batch. ``after_pack(sends, carried)`` (fault injection)
         sees every outgoing (peer, buffer) and the tensors each carries once packing is done,
-        before any hook or post."""
-        out, inc = self._messages(self._sends), self._messages(self._recvs)
-        self._sends, self._recvs = defaultdict(list), defaultdict(list)
+        before any hook or post. ``messages``: (sends, receives) already laid out as ``_messages``
+        lays out the submitted tensors (a compiled exchange: ``reshard.program``), instead of them."""
+        if messages is None:
+            out, inc = self._messages(self._sends), self._messages(self._recvs)
+            self._sends, self._recvs = defaultdict(list), defaultdict(list)
+        else:
+            out, inc = messages
         bufs = iter(_staging([m for _, m in out + inc]))
         sends = [(peer, m if isinstance(m, torch.Tensor) else _pack(m, next(bufs))) for peer, m in out]
         recvs = [(peer, m if isinstance(m, torch.Tensor) else next(bufs)) for peer, m in inc]

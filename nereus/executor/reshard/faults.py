@@ -61,10 +61,10 @@ def _flip_bit(t: torch.Tensor) -> None:
     t.as_strided((1,), (1,)).view(torch.uint8)[0] ^= 1
 
 
-def _corrupt_packed(sends: list, carried: list, sums, corruption: "_Corruption") -> None:
+def _corrupt_packed(sends: list, carried: list, corruption: "_Corruption") -> None:
     """``corrupt-pack``: one bit of a packed outgoing message, in a strided piece if one is packed
     (its old sender hash was taken from this very copy), else at the start of the first."""
-    packed = [(buf, parts) for (_, buf), parts in zip(sends, carried) if sums.made_for_message(buf)]
+    packed = [(buf, parts) for (_, buf), parts in zip(sends, carried) if buf is not parts[0]]
     at = None
     for buf, parts in packed:
         pos = 0

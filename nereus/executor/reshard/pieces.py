@@ -35,6 +35,8 @@ class _NewLayout:
             self.tensors[r].copy_(store.get(r))
         self.relocated_bytes = sum(r.nbytes for r in self.relocated)
         self._homes: dict[tuple[str, str, str], list[tuple[Region, torch.Tensor, list[Region]]]] | None = None
+        self.bases: tuple | None = None
+        """(source tensors per recipe slot, new tensors, their ``Geometry``): set by ``_prepare``."""
 
     def _home(self, piece: Region) -> tuple[Region, torch.Tensor, list[Region]]:
         if self._homes is None:  # per (model, tensor, kind): the new regions, their tensors and pieces
@@ -110,7 +112,7 @@ STAGING_BYTES = 256 << 20
 """Default bound on one rank's staging buffers in one exchange (see ``round_groups``)."""
 
 def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int, bucket_bytes: int,
-             major: dict[tuple[str, str], int]):
+             major: dict[tuple[str, str], int], views: bool = True):
     """This rank's part of the plan: per round, ("send", peer, wire view, bytes, piece), ("recv",
     peer, wire view, bytes, piece) and ("copy", source wire view, target wire view, bytes, piece)
     items in op-id order, and the bytes per round that go through a staging buffer here (pieces
@@ -119,7 +121,9 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
     and is checksummed in at both ends. A source piece sent to several peers (or also copied
     here) is one view object: its checksum is taken once (``SourceSums``). The region math is
     the plan's recipe (``reshard.recipe``), derived on first use; the views are made here, one
-    ``as_strided`` each."""
+    ``as_strided`` each. ``views=False``: no items (None) once the recipe's cover is checked,
+    the staged bytes from the cache (``apply`` runs the compiled program, ``reshard.program``);
+    either way ``new.bases`` is (source tensors per slot, new tensors, their ``Geometry``)."""
     rec = new.recipe
     src_t = None if rec.ops is None else [store.held(outer) for outer, _, _ in rec.sources]
     if src_t is None or any(t is None for t in src_t):
@@ -127,6 +131,15 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
         src_t = [store.held(outer) for outer, _, _ in rec.sources]
     dst_t = [new.tensors[r] for r in rec.fresh]
     geo = _geometry(rec, src_t, dst_t)
+    new.bases = (src_t, dst_t, geo)
+    if not views and rec.cover_checked:
+        staged = geo.cache.get(("staged", bucket_bytes))
+        if staged is None:
+            staged = geo.cache[("staged", bucket_bytes)] = [0] * rec.rounds
+            for op, d in zip(rec.ops, geo.dense):
+                if op[3] < bucket_bytes or not d:
+                    staged[op[0]] += op[3]
+        return None, list(staged)
     record = not rec.cover_checked  # the pieces each new region gets: read by the cover check alone
     filled = [[] for _ in rec.fresh]
     items: dict[int, list[tuple]] = defaultdict(list)

@@ -68,6 +68,9 @@ class Geometry:
         self.src = src
         self.dst = dst
         self.dense = dense
+        self.cache: dict = {}
+        """What else is a function of these views alone: the staged bytes per round per bucket
+        size, and the compiled programs (``reshard.program``)."""
 
 
 def recipe(plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -> Recipe:

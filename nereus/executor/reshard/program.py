@@ -1,0 +1,188 @@
+"""This rank's exchanges of a transition compiled once per (plan, rank, tensor strides, exchanges,
+bucket size) and replayed by every later transition of the same plan (``program``).
+
+What a transition derives per piece is a function of the plan and of the tensors' strides alone:
+which messages go to which peer, which pieces each carries (packed or in place, in the order the
+transport lays them out: ``Transport._messages``), which source pieces each message's checksums
+are taken from, the local copies, and each piece's view as ``as_strided`` parameters over the
+tensor of its region. ``Program`` holds all of it as lists of indices, so a warm transition makes
+one ``as_strided`` per distinct piece (``views``) and posts prebuilt messages: no per-piece
+grouping, lookups or hashing bookkeeping. Only the tensors are new each time.
+
+It is kept on the recipe's ``Geometry`` (``reshard.recipe``): a recipe belongs to one plan object
+and rank, and a ``Geometry`` to the strides of that rank's tensors, so a program is never reused
+for another plan, rank or memory layout; within it, one program per (exchanges, bucket size).
+
+Example (tiny Llama, TP4 -> TP2xDP2, rank 0): 1 exchange, 61 messages out, 61 in, 60 local copies,
+225 distinct pieces: ``views`` is one list comprehension of 225 ``as_strided`` calls, then the
+exchange posts the 122 prebuilt messages."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from nereus.executor.reshard.pieces import _joins
+from nereus.executor.reshard.recipe import dense, geometry
+from nereus.executor.store import TORCH_DTYPES
+from nereus.planner.transition.types import Region
+
+
+class Exchange:
+    """One exchange (rounds ``lo``..``hi``) as indices into the program's views."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.sends: list[tuple[int, int | list[int]]] = []
+        """Per outgoing message, in posting order: (peer, view index sent in place, or the
+        indices of the views packed into one staging buffer)."""
+        self.send_sums: list[list[tuple[int, int]]] = []
+        """Per outgoing message: (source checksum id, view index) of each piece it carries."""
+        self.recvs: list[tuple[int, int | list[int]]] = []
+        """Per incoming message, like ``sends``."""
+        self.recv_regions: dict[int, list[Region]] = {}
+        """Per peer: the pieces its messages fill, in order (named when a checksum differs)."""
+        self.copies: list[tuple[int, int, int, int, Region]] = []
+        """Local copies: (source view, target view, source checksum id, bytes, piece)."""
+        self.sent = self.incoming = self.staging = 0
+        """Bytes sent, bytes received, bytes that go through staging buffers (packed sends and
+        staged receives)."""
+
+
+class Program:
+    """This rank's compiled transition (see the module docstring)."""
+
+    def __init__(self, specs: list[tuple[int, tuple | None]], extras: list[Region], exchanges: list[Exchange],
+                 sums: int) -> None:
+        self.specs = specs
+        """Per view: (base tensor index, ``as_strided`` parameters or None for the base itself);
+        bases are the recipe's source slots, then its new regions, then ``extras``."""
+        self.extras = extras
+        """Held regions that joined pieces are read from and no single piece's slot is."""
+        self.exchanges = exchanges
+        self.sums = sums
+        """Distinct source pieces checksummed (a piece sent to several peers or also copied here
+        is hashed once per transition)."""
+
+    def views(self, store, src_t: list[torch.Tensor], dst_t: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Every view of this transition over the current tensors; None where a held region a
+        joined piece is read from is not held (compile again)."""
+        extra = [store.held(r) for r in self.extras]
+        if any(t is None for t in extra):
+            return None
+        bases = src_t + dst_t + extra
+        offs = [t.storage_offset() for t in bases]
+        return [bases[b] if g is None else bases[b].as_strided(g[0], g[1], offs[b] + g[2]) for b, g in self.specs]
+
+
+def program(rec, geo, groups: list[tuple[int, int]], bucket_bytes: int, store, new, src_t: list[torch.Tensor],
+            dst_t: list[torch.Tensor]) -> Program:
+    """The cached program of these exchanges and bucket size for ``geo`` (the recipe's geometry
+    for the current tensors' strides), compiled on first use."""
+    key = ("program", tuple(groups), bucket_bytes)
+    prog = geo.cache.get(key)
+    if prog is None:
+        prog = geo.cache[key] = _compile(rec, geo, groups, bucket_bytes, store, new, src_t, dst_t)
+    return prog
+
+
+def _compile(rec, geo, groups, bucket_bytes, store, new, src_t, dst_t) -> Program:
+    n_src = len(src_t)
+    specs: list[tuple[int, tuple | None]] = [(s, g) for s, g in enumerate(geo.src)]  # view s: slot s
+    contiguous = [t.is_contiguous() if g is None else dense(g[0], g[1]) for t, g in zip(src_t, geo.src)]
+    base_of = {}
+    for s, (outer, _, _) in enumerate(rec.sources):
+        base_of.setdefault(outer, s)
+    extras: list[Region] = []
+    sum_id: dict[Region, int] = {}
+    home_of = {r: i for i, r in enumerate(rec.fresh)}
+
+    def add(base: int, t: torch.Tensor, g) -> int:
+        specs.append((base, g))
+        contiguous.append(t.is_contiguous() if g is None else dense(g[0], g[1]))
+        return len(specs) - 1
+
+    def joined_view(what: str, piece: Region, d: int) -> int:
+        if what == "send":
+            outer = piece if store.held(piece) is not None else store.covering(piece)[0]
+            base = base_of.get(outer)
+            if base is None:
+                base = base_of[outer] = n_src + len(dst_t) + len(extras)
+                extras.append(outer)
+            t = store.held(outer)
+            return add(base, t, geometry(t, outer, piece, d))
+        h = home_of[new._home(piece)[0]]
+        return add(n_src + h, dst_t[h], geometry(dst_t[h], rec.fresh[h], piece, d))
+
+    by_round: dict[int, list[int]] = defaultdict(list)
+    for k, op in enumerate(rec.ops):
+        by_round[op[0]].append(k)
+    exchanges = []
+    for lo, hi in groups:
+        ks = [k for rnd in range(lo, hi + 1) for k in by_round.get(rnd, ())]
+        items = []  # (what, peer, view, bytes, piece), the shape ``_joins`` reads
+        for k in ks:
+            _, what, peer, n, region, s, h = rec.ops[k]
+            dst = -1 if h < 0 else add(n_src + h, dst_t[h], geo.dst[k])
+            if what == "copy":
+                items.append(("copy", s, dst, n, region))
+            else:
+                items.append((what, peer, s if what == "send" else dst, n, region))
+        joins = _joins(items, rec.major)
+        if joins is not None:
+            items = [items[j] if type(j) is int else (j[0], j[1], joined_view(j[0], j[3], j[4]), j[2], j[3])
+                     for j in joins]
+        exchanges.append(_layout(Exchange(lo, hi), items, contiguous, sum_id, bucket_bytes))
+    return Program(specs, extras, exchanges, len(sum_id))
+
+
+def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dict, bucket_bytes: int) -> Exchange:
+    """The exchange's messages as ``Transport._messages`` lays out the same submitted tensors:
+    per (peer, dtype), in (peer, dtype name) order, the pieces below ``bucket_bytes`` packed into
+    one message, then each larger one in submission order (in place where it is one dense block,
+    else through its own staging buffer)."""
+    queued: dict[str, dict[tuple[int, torch.dtype], list[tuple]]] = {"send": defaultdict(list),
+                                                                     "recv": defaultdict(list)}
+    for it in items:
+        what = it[0]
+        if what == "copy":
+            _, src, dst, n, region = it
+            x.copies.append((src, dst, sum_id.setdefault(region, len(sum_id)), n, region))
+            continue
+        _, peer, v, n, region = it
+        queued[what][(peer, TORCH_DTYPES[region.dtype])].append((v, n, region))
+        if what == "send":
+            x.sent += n
+        else:
+            x.incoming += n
+    for what, out in (("send", x.sends), ("recv", x.recvs)):
+        for (peer, _), pieces in sorted(queued[what].items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            small = [p for p in pieces if p[1] < bucket_bytes]
+            big = [p for p in pieces if p[1] >= bucket_bytes]
+            msgs = ([small] if small else []) + [[p] for p in big]
+            for m in msgs:
+                staged = len(m) > 1 or m[0][1] < bucket_bytes or not contiguous[m[0][0]]
+                out.append((peer, [p[0] for p in m] if staged else m[0][0]))
+                if staged:
+                    x.staging += sum(p[1] for p in m)
+                if what == "send":
+                    x.send_sums.append([(sum_id.setdefault(p[2], len(sum_id)), p[0]) for p in m])
+                else:
+                    x.recv_regions.setdefault(peer, []).extend(p[2] for p in m)
+    return x
+
+
+def source_sums(prog: Program, views: list[torch.Tensor], checksums_of):
+    """A function of a list of (source checksum id, view index): their checksums, each piece
+    hashed from its source region the first time it is asked for in this transition."""
+    got: list[int | None] = [None] * prog.sums
+
+    def sums(ids: list[tuple[int, int]]) -> list[int]:
+        todo = [(h, i) for h, i in ids if got[h] is None]
+        if todo:
+            for (h, _), value in zip(todo, checksums_of([views[i] for _, i in todo])):
+                got[h] = value
+        return [got[h] for h, _ in ids]
+
+    return sums
+
