@@ -42,6 +42,7 @@ from nereus.executor.reshard.faults import (CORRUPTIONS, FAULT_KINDS, FaultSpec,
 from nereus.executor.reshard.pieces import (STAGING_BYTES, _merged, _NewLayout, _prepare,  # noqa: F401 - re-exported
                                             reserve_arena, round_groups)
 from nereus.executor.reshard.program import program, source_sums
+from nereus.executor.reshard.recipe import recipe
 from nereus.executor.reshard.vote import RolledBack, transition_worst_case_s, vote_wait_s
 from nereus.executor.store import ShardStore
 from nereus.executor.transport import Transport
@@ -122,7 +123,9 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     ok, reason = True, ""
     new: _NewLayout | None = None
     groups: list[tuple[int, int]] = []
-    rounds = plan.rounds  # a max over every op: taken once
+    major = {(m, t): d for m, t, d in plan.major}  # (model, tensor) -> dim stored outermost
+    rec = recipe(plan, rank, major)
+    rounds = rec.plan_rounds  # a max over every op: taken once per plan
     staged = [0] * rounds
     items: list | None = None
     sums = None
@@ -141,7 +144,6 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                                   f"transition's worst case ({worst:g} s = timeout {timeout_s:g} s x (3 x "
                                   f"{rounds} rounds + 4)): NCCL's watchdog would act first; join with "
                                   f"pg_timeout_s >= vote.nccl_pg_timeout_s(...)")
-        major = {(m, t): d for m, t, d in plan.major}  # (model, tensor) -> dim stored outermost
         new = _NewLayout(store, plan, rank, major)
         items, staged = _prepare(plan, store, new, rank, transport.bucket_bytes, major, views=False)
         new.check_complete(rank)  # the plan covers every new element exactly once: else stop before any byte moves
@@ -184,7 +186,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
             abort_now()
     transport.close()
     t_vote = time.perf_counter()
-    models = sorted({h.region.model for h in plan.dst})
+    models = rec.models
     if ok and fault is not None and fault.rank == rank and fault.kind == "slow-vote":
         time.sleep(fault.hang_s)
     vote_completed = True

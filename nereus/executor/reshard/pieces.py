@@ -125,10 +125,11 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
     the staged bytes from the cache (``apply`` runs the compiled program, ``reshard.program``);
     either way ``new.bases`` is (source tensors per slot, new tensors, their ``Geometry``)."""
     rec = new.recipe
-    src_t = None if rec.ops is None else [store.held(outer) for outer, _, _ in rec.sources]
-    if src_t is None or any(t is None for t in src_t):
+    held = None if rec.ops is None else [store.held(outer) for outer in rec.outers]
+    if held is None or any(t is None for t in held):
         _derive(rec, plan, store, new, rank, major)
-        src_t = [store.held(outer) for outer, _, _ in rec.sources]
+        held = [store.held(outer) for outer in rec.outers]
+    src_t = [held[i] for i in rec.slot_outer]
     dst_t = [new.tensors[r] for r in rec.fresh]
     geo = _geometry(rec, src_t, dst_t)
     new.bases = (src_t, dst_t, geo)
@@ -197,6 +198,9 @@ def _derive(rec, plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank:
         what = "copy" if src == dst else "send" if src == rank else "recv"
         ops.append((op.round, what, dst if what == "send" else src, region.nbytes, region, s, h))
     rec.ops, rec.sources, rec.rounds, rec.geometry = ops, sources, top + 1, None
+    at = {}
+    rec.slot_outer = [at.setdefault(outer, len(at)) for outer, _, _ in sources]
+    rec.outers = list(at)
 
 
 def _geometry(rec, src_t: list[torch.Tensor], dst_t: list[torch.Tensor]) -> Geometry:
@@ -222,7 +226,8 @@ def reserve_arena(store: ShardStore, plan: TransitionPlan, rank: int, *, staging
     new regions (one buffer per dtype) and the staging buffers of each exchange, carved exactly
     as ``apply_transition`` will ask for them, then every page touched (``arena.prefault_free``)
     and handed back to the arena's cache, so the first transition runs on warm memory like later
-    ones. Nothing moves and the store is unchanged; not collective (exchanges are grouped by this
+    ones; the plan's cover check and this rank's compiled exchanges (``reshard.program``) are done
+    here too. Nothing moves and the store is unchanged; not collective (exchanges are grouped by this
     rank's staged bytes, where a transition uses the busiest rank's: the same with the default
     budget whenever every round fits in one exchange). Returns the bytes reserved; 0 off the host
     (CUDA has its caching allocator). Keep ``arena.cache_limit()`` above it."""
@@ -242,6 +247,15 @@ def _carve_once(store: ShardStore, plan: TransitionPlan, rank: int, staging_byte
     new = _NewLayout(store, plan, rank, major)
     sizer = MockTransport(rank, MockHub(1), bucket_bytes or BUCKET_BYTES)
     items, staged = _prepare(plan, store, new, rank, sizer.bucket_bytes, major)
+    try:  # the cover check and the compiled exchanges, once, so the first transition runs warm
+        new.check_complete(rank)
+    except TransitionError:
+        pass  # not here: apply_transition reports it, on every rank, before any byte moves
+    if new.recipe.cover_checked:
+        from nereus.executor.reshard.program import program
+
+        program(new.recipe, new.bases[2], round_groups(staged, staging_bytes), sizer.bucket_bytes, store, new,
+                new.bases[0], new.bases[1])
     for lo, hi in round_groups(staged, staging_bytes):  # held one exchange at a time, as the transition does
         peers: dict[str, Counter] = {"send": Counter(), "recv": Counter()}
         for it in _merged([x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())], store, new, major):

@@ -41,6 +41,8 @@ class Recipe:
         self.kept = {h.region for h in plan.kept if h.gpu == rank}
         self.dst = [h.region for h in plan.dst if h.gpu == rank]
         self.fresh = [r for r in self.dst if r not in self.kept]
+        self.plan_rounds = plan.rounds  # a max over every op of the plan: taken once per recipe
+        self.models = sorted({h.region.model for h in plan.dst})
         self.held = sorted(self.kept)
         """The kept regions, in order (those ``_NewLayout`` may relocate)."""
         self.ops: list[tuple] | None = None
@@ -49,7 +51,11 @@ class Recipe:
         read from (one slot per distinct source piece: its view is made once), ``fresh[home]``
         the new region it lands in. Built by the first ``_prepare``."""
         self.sources: list[tuple[Region, Region]] = []
-        """Per slot: (held region, source piece)."""
+        """Per slot: (held region, source piece, storage dim)."""
+        self.outers: list[Region] = []
+        self.slot_outer: list[int] = []
+        """The distinct held regions of ``sources``, and per slot the index of its own: one store
+        lookup per held region, not per piece."""
         self.rounds = 0
         self.geometry: Geometry | None = None
         self.cover_checked = False
