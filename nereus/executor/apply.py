@@ -163,8 +163,9 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
             src_t, dst_t, geo = new.bases
             prog = program(new.recipe, geo, groups, transport.bucket_bytes, store, new, src_t, dst_t)
             items = prog.views(store, src_t, dst_t)  # every piece's view, one as_strided each
-            if items is None:
-                raise TransitionError("a held region the compiled exchanges read joined pieces from is not held")
+            if items is None:  # a held region only joined pieces are read from changed: compile again
+                prog = program(new.recipe, geo, groups, transport.bucket_bytes, store, new, src_t, dst_t, again=True)
+                items = prog.views(store, src_t, dst_t)
             verify = None
             sums = source_sums(prog, items, lambda parts: checksum_mod.checksums_of(parts))
             corruption = _Corruption(fault.kind) if fault is not None and fault.rank == rank \

@@ -45,7 +45,9 @@ def compiled(monkeypatch):
     monkeypatch.setattr(program_mod, "_compile", counting_compile)
     monkeypatch.setattr(program_mod, "program", recording)
     import nereus.executor.apply as apply_mod
+    import nereus.executor.reshard.pieces as pieces_mod
     monkeypatch.setattr(apply_mod, "program", recording)
+    monkeypatch.setattr(pieces_mod, "program", recording)  # reserve_arena's
     return calls
 
 

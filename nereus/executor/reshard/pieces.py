@@ -12,6 +12,7 @@ import torch
 from nereus.errors import TransitionError
 from nereus.executor.arena import empty_regions, mostly_dead
 from nereus.executor.reshard.checksum import checksum
+from nereus.executor.reshard.program import _joins, program
 from nereus.executor.reshard.recipe import Geometry, dense, geometry, join_key, join_record, recipe, same_items
 from nereus.executor.reshard.recipe import view as view_of
 from nereus.executor.store import TORCH_DTYPES, ShardStore, contains, cover_error, narrowed
@@ -252,8 +253,6 @@ def _carve_once(store: ShardStore, plan: TransitionPlan, rank: int, staging_byte
     except TransitionError:
         pass  # not here: apply_transition reports it, on every rank, before any byte moves
     if new.recipe.cover_checked:
-        from nereus.executor.reshard.program import program
-
         program(new.recipe, new.bases[2], round_groups(staged, staging_bytes), sizer.bucket_bytes, store, new,
                 new.bases[0], new.bases[1])
     for lo, hi in round_groups(staged, staging_bytes):  # held one exchange at a time, as the transition does
@@ -298,42 +297,6 @@ def _merged(items: list[tuple], store: ShardStore, new: _NewLayout, major: dict[
         view = _source(store, joined, d) if what == "send" else new.wire_target(joined, d, record=False)
         out.append((what, peer, view, n, joined))
     return out
-
-
-def _joins(items: list[tuple], major: dict[tuple[str, str], int]) -> list | None:
-    """``_merged``'s plan for ``items`` (a function of their pieces alone): per item of the
-    result, the index of an item kept as it is, or (what, peer, bytes, joined piece, dim); None
-    when nothing joins."""
-    runs: dict[tuple, list[int]] = defaultdict(list)
-    for i, it in enumerate(items):
-        if it[0] != "copy":
-            r = it[4]
-            d = major.get((r.model, r.tensor), 0)
-            runs[(it[0], it[1], r.model, r.tensor, r.kind, r.dtype, d, r.offsets[:d] + r.offsets[d + 1:],
-                  r.lengths[:d] + r.lengths[d + 1:])].append(i)
-    first: dict[int, tuple] = {}
-    drop: set[int] = set()
-    for key, idx in runs.items():
-        if len(idx) < 2:
-            continue
-        what, peer, d = key[0], key[1], key[6]
-        idx.sort(key=lambda i: items[i][4].offsets[d])
-        chain = [idx[0]]
-        for i in idx[1:] + [None]:
-            prev = items[chain[-1]][4]
-            if i is not None and items[i][4].offsets[d] == prev.offsets[d] + prev.lengths[d]:
-                chain.append(i)
-                continue
-            if len(chain) > 1:
-                lo = items[chain[0]][4]
-                joined = Region(lo.model, lo.tensor, lo.kind, lo.offsets, lo.lengths[:d]
-                                + (sum(items[j][4].lengths[d] for j in chain),) + lo.lengths[d + 1:], lo.dtype)
-                first[min(chain)] = (what, peer, sum(items[j][3] for j in chain), joined, d)
-                drop.update(chain)
-            chain = [i] if i is not None else []
-    if not first:
-        return None
-    return [first.get(i, i) for i in range(len(items)) if i in first or i not in drop]
 
 
 def round_groups(staged: list[int], staging_bytes: int | None) -> list[tuple[int, int]]:

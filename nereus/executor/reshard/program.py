@@ -13,16 +13,16 @@ It is kept on the recipe's ``Geometry`` (``reshard.recipe``): a recipe belongs t
 and rank, and a ``Geometry`` to the strides of that rank's tensors, so a program is never reused
 for another plan, rank or memory layout; within it, one program per (exchanges, bucket size).
 
-Example (tiny Llama, TP4 -> TP2xDP2, rank 0): 1 exchange, 61 messages out, 61 in, 60 local copies,
-225 distinct pieces: ``views`` is one list comprehension of 225 ``as_strided`` calls, then the
-exchange posts the 122 prebuilt messages."""
+Example (the benchmark's tiny Llama, TP4 -> TP2xDP2, rank 0): 480 ops in one exchange, 120
+messages out, 120 in, 120 local copies; ``views`` is one list comprehension of 588 ``as_strided``
+calls (each source piece once, each destination piece once), then the exchange posts the 240
+prebuilt messages."""
 from __future__ import annotations
 
 from collections import defaultdict
 
 import torch
 
-from nereus.executor.reshard.pieces import _joins
 from nereus.executor.reshard.recipe import dense, geometry
 from nereus.executor.store import TORCH_DTYPES
 from nereus.planner.transition.types import Region
@@ -58,7 +58,10 @@ class Program:
         """Per view: (base tensor index, ``as_strided`` parameters or None for the base itself);
         bases are the recipe's source slots, then its new regions, then ``extras``."""
         self.extras = extras
-        """Held regions that joined pieces are read from and no single piece's slot is."""
+        """Held regions that joined pieces are read from and no single piece's slot is (none in
+        the planner's plans so far: a joined piece lies in the held region of its parts)."""
+        self.extra_strides: list[tuple] = []
+        """Their tensors' strides at compile time (the recipe's ``Geometry`` covers the others)."""
         self.exchanges = exchanges
         self.sums = sums
         """Distinct source pieces checksummed (a piece sent to several peers or also copied here
@@ -66,9 +69,10 @@ class Program:
 
     def views(self, store, src_t: list[torch.Tensor], dst_t: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Every view of this transition over the current tensors; None where a held region a
-        joined piece is read from is not held (compile again)."""
+        joined piece is read from is not held, or not with the strides compiled for (compile
+        again: ``program(..., again=True)``)."""
         extra = [store.held(r) for r in self.extras]
-        if any(t is None for t in extra):
+        if any(t is None for t in extra) or [t.stride() for t in extra] != self.extra_strides:
             return None
         bases = src_t + dst_t + extra
         offs = [t.storage_offset() for t in bases]
@@ -76,11 +80,11 @@ class Program:
 
 
 def program(rec, geo, groups: list[tuple[int, int]], bucket_bytes: int, store, new, src_t: list[torch.Tensor],
-            dst_t: list[torch.Tensor]) -> Program:
+            dst_t: list[torch.Tensor], again: bool = False) -> Program:
     """The cached program of these exchanges and bucket size for ``geo`` (the recipe's geometry
-    for the current tensors' strides), compiled on first use."""
+    for the current tensors' strides), compiled on first use (``again``: compiled anew)."""
     key = ("program", tuple(groups), bucket_bytes)
-    prog = geo.cache.get(key)
+    prog = None if again else geo.cache.get(key)
     if prog is None:
         prog = geo.cache[key] = _compile(rec, geo, groups, bucket_bytes, store, new, src_t, dst_t)
     return prog
@@ -133,7 +137,9 @@ def _compile(rec, geo, groups, bucket_bytes, store, new, src_t, dst_t) -> Progra
             items = [items[j] if type(j) is int else (j[0], j[1], joined_view(j[0], j[3], j[4]), j[2], j[3])
                      for j in joins]
         exchanges.append(_layout(Exchange(lo, hi), items, contiguous, sum_id, bucket_bytes))
-    return Program(specs, extras, exchanges, len(sum_id))
+    prog = Program(specs, extras, exchanges, len(sum_id))
+    prog.extra_strides = [store.held(r).stride() for r in extras]
+    return prog
 
 
 def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dict, bucket_bytes: int) -> Exchange:
@@ -186,3 +192,38 @@ def source_sums(prog: Program, views: list[torch.Tensor], checksums_of):
 
     return sums
 
+
+def _joins(items: list[tuple], major: dict[tuple[str, str], int]) -> list | None:
+    """``_merged``'s plan for ``items`` (a function of their pieces alone): per item of the
+    result, the index of an item kept as it is, or (what, peer, bytes, joined piece, dim); None
+    when nothing joins."""
+    runs: dict[tuple, list[int]] = defaultdict(list)
+    for i, it in enumerate(items):
+        if it[0] != "copy":
+            r = it[4]
+            d = major.get((r.model, r.tensor), 0)
+            runs[(it[0], it[1], r.model, r.tensor, r.kind, r.dtype, d, r.offsets[:d] + r.offsets[d + 1:],
+                  r.lengths[:d] + r.lengths[d + 1:])].append(i)
+    first: dict[int, tuple] = {}
+    drop: set[int] = set()
+    for key, idx in runs.items():
+        if len(idx) < 2:
+            continue
+        what, peer, d = key[0], key[1], key[6]
+        idx.sort(key=lambda i: items[i][4].offsets[d])
+        chain = [idx[0]]
+        for i in idx[1:] + [None]:
+            prev = items[chain[-1]][4]
+            if i is not None and items[i][4].offsets[d] == prev.offsets[d] + prev.lengths[d]:
+                chain.append(i)
+                continue
+            if len(chain) > 1:
+                lo = items[chain[0]][4]
+                joined = Region(lo.model, lo.tensor, lo.kind, lo.offsets, lo.lengths[:d]
+                                + (sum(items[j][4].lengths[d] for j in chain),) + lo.lengths[d + 1:], lo.dtype)
+                first[min(chain)] = (what, peer, sum(items[j][3] for j in chain), joined, d)
+                drop.update(chain)
+            chain = [i] if i is not None else []
+    if not first:
+        return None
+    return [first.get(i, i) for i in range(len(items)) if i in first or i not in drop]
