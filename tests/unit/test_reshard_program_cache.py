@@ -7,14 +7,13 @@ import threading
 from dataclasses import replace
 
 import pytest
+from test_executor_apply_paths import _apply as _apply_on_threads
+from test_reshard_recipe_cache import JOB, TO_DP4, TO_TP2, _stores
 
 import nereus.executor.reshard.program as program_mod
-from nereus.errors import TransitionError
-from nereus.executor.apply import apply_transition
 from nereus.executor.reshard import recipe as recipe_mod
 from nereus.executor.scenario import mismatches
-from nereus.executor.transport import BUCKET_BYTES, MockHub, MockTransport
-from test_reshard_recipe_cache import JOB, TO_DP4, TO_TP2, _stores
+from nereus.executor.transport import BUCKET_BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -52,21 +51,8 @@ def compiled(monkeypatch):
 
 
 def _apply(stores, tplan, staging_bytes=256 << 20, bucket_bytes=BUCKET_BYTES) -> list:
-    hub = MockHub(len(stores))
-    out: list = [None] * len(stores)
-
-    def run(r):
-        try:
-            out[r] = apply_transition(stores[r], tplan, r, MockTransport(r, hub, bucket_bytes), timeout_s=20,
-                                      staging_bytes=staging_bytes)
-        except TransitionError as e:
-            out[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(stores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    out = _apply_on_threads(stores, tplan, transport={"bucket_bytes": bucket_bytes}, timeout_s=20,
+                            staging_bytes=staging_bytes)
     assert all(o is not None and not isinstance(o, Exception) for o in out), out
     for st in stores:
         assert mismatches(st, JOB, 0) == []  # every region bit-exact with the reference

@@ -6,19 +6,10 @@ on random inputs: KV pressure with preemption cascades, slot limits with more se
 empty sequences, the refusal of a sequence that does not fit, and the event limit."""
 import numpy as np
 import pytest
+from test_sim_engine_speed import _a, _prefill
 
 from nereus.simulator.truth import engine
 from nereus.simulator.truth.engine import _simulate
-
-
-def _a(n: int = 300, base: float = 0.01, slope: float = 1e-5) -> np.ndarray:
-    a = base + slope * np.arange(n, dtype=float)
-    a[0] = 0.0
-    return a
-
-
-def _prefill(tokens, prompt):
-    return 1e-6 * np.asarray(tokens, float) + 1e-9 * np.asarray(tokens, float) * np.asarray(prompt, float)
 
 
 def _case(rng: np.random.Generator):
