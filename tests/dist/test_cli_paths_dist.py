@@ -74,4 +74,4 @@ def test_demo_through_the_cli_runs_two_steps_and_writes_its_figures(tmp_path):
     run_json = json.loads((tmp_path / "demo-run.json").read_text())
     assert [r["step"] for r in run_json["records"][0]["records"]["adaptive"]] == [0, 1]
     assert (tmp_path / "demo.png").stat().st_size > 0
-    assert len((tmp_path / "audit-adaptive.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "audit-adaptive.jsonl").read_text().splitlines()) == 1  # the last step asks nothing
