@@ -8,19 +8,17 @@ from dataclasses import replace
 
 import pytest
 from test_executor_apply_paths import _apply as _apply_on_threads
-from test_reshard_recipe_cache import JOB, TO_DP4, TO_TP2, _stores
+from test_reshard_recipe_cache import (
+    JOB,
+    TO_DP4,
+    TO_TP2,
+    _empty_cache,  # noqa: F401  (autouse: every test starts with no recipe)
+    _stores,
+)
 
 import nereus.executor.reshard.program as program_mod
-from nereus.executor.reshard import recipe as recipe_mod
 from nereus.executor.scenario import mismatches
 from nereus.executor.transport import BUCKET_BYTES
-
-
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    recipe_mod.clear()
-    yield
-    recipe_mod.clear()
 
 
 @pytest.fixture
