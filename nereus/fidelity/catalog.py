@@ -4,7 +4,9 @@ GPU behind a hardware name, the precision, the engine.
 Architectures are the public Hugging Face / framework configs. Models whose MLP has two matrices
 (MPT, GPT-2, OPT, GPT-3, Nemotron: GELU, ReLU or squared-ReLU, width 4h) get the SwiGLU width with the same
 parameter count, f = 2/3 of theirs, since the cost model's blocks are SwiGLU. Mixture-of-experts
-models are not modelled: their rows are skipped, with the reason.
+models are not in this catalog (``resolve_model`` skips their rows, with the reason); the rows that
+name their own expert layout take the model's preset (``moe_preset``; categories ``moe``, and the
+``async`` category's weight-sync rows, whose bytes are all a sync needs).
 """
 from __future__ import annotations
 
@@ -104,6 +106,16 @@ def resolve_model(name: str, vocab_note: str = "") -> tuple[ModelSpec | None, st
     if vocab:
         m = replace(m, vocab=int(vocab.group(1)))
     return m, ""
+
+
+def moe_preset(name: str) -> ModelSpec | None:
+    """The ``nereus.models`` preset of a mixture-of-experts model name ('Qwen3-30B-A3B (MoE)',
+    'Qwen3-235B-A22B', 'Qwen3-30B-A3B-Base' -> its preset), or None where no preset has that name."""
+    key = model_key(name).removesuffix("-base")
+    try:
+        return preset(key)
+    except SpecError:
+        return None
 
 
 def resolve_gpu(hardware: str) -> tuple[GPUSpec | None, str]:

@@ -86,3 +86,26 @@ def test_composition_check_uses_the_step_rule(corpus):
     recs = {c["step_row"]: c for c in composition_check(corpus)}
     c = recs["async1off-001"]  # verl FSDP2 4:12: max(458, 108 + 337) = 458 against the published 520
     assert c["composed_step_s"] == pytest.approx(458) and c["published_step_s"] == 520
+
+
+def test_moe_weight_sync_rows_are_priced_from_the_preset_with_every_expert(corpus):
+    """verl's checkpoint-engine ablation of Qwen3-30B-A3B and 235B-A22B: the sync moves every
+    expert's bytes (total parameters, not active), so it is priced from the model's preset; the
+    96 : 32 step rows of the same model still say why they are not priced."""
+    from nereus.fidelity.async_rows import predict_async
+    from nereus.fidelity.catalog import moe_preset
+    from nereus.planner.cost.comm import weight_sync_s
+    from nereus.planner.specs import ClusterSpec, ParallelConfig
+
+    gpu, p = GPU_PRESETS["h20"], CostParams()
+    rows = {r.id: r for r in corpus}
+    for rid, name, n in (("asyncsync-003", "qwen3-30b-a3b", 16), ("asyncsync-005", "qwen3-235b-a22b", 64)):
+        model = moe_preset(rows[rid].model)
+        assert model is not None and model.name == moe_preset(name).name and model.num_params() > 30e9
+        want = weight_sync_s(model, ParallelConfig(tp=1, dp=n), ParallelConfig(tp=1, dp=n),
+                             ClusterSpec(gpu=gpu, nodes=2 * n // 8, gpus_per_node=8), False, p)
+        assert predict_async(rows[rid], gpu, p) == pytest.approx(want, rel=1e-12)
+    dense = predict_async(rows["asyncsync-001"], gpu, p)
+    assert predict_async(rows["asyncsync-003"], gpu, p) > 20 * dense  # 30.5B across nodes vs 7.6B on one node
+    pred = predict(rows["asyncmoe-001"], fitted_params)
+    assert pred.predicted is None and "mixture-of-experts" in pred.reason
