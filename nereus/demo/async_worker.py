@@ -207,7 +207,7 @@ class AsyncRun:
         seqs = self.gen.generate(prompts, cap, self.cfg.temperature, seed=self.cfg.seed * 7919 + step,
                                  stop_targets=targets)
         return {"seqs": seqs, "gen_s": time.perf_counter() - t0, "version": self.gen_version,
-                "digest": self.gen_digest, "plan": split_label(self.plan), "step": step}
+                "digest": self.gen_digest, "plan": split_label(self.plan), "plan_key": self.plan.key(), "step": step}
 
     def handoff(self, item: dict | None) -> dict:
         """The rollout's first rank hands a generated batch to every rank."""
@@ -325,13 +325,17 @@ def _bcast_from(obj, src: int):
     return box[0]
 
 
-def _record(step: int, item: dict, trained: dict, wall: dict) -> dict:
+def _record(step: int, item: dict, trained: dict, wall: dict, plan: Plan) -> dict:
     """Step ``step``'s record from what the ranks measured (already max-reduced in ``wall``); the
-    weight sync that ends the step is added by ``add_sync``."""
-    stage_times = {"actor/generation": item["gen_s"], **{k: wall[k] for k in TRAINER_STAGES}}
+    weight sync that ends the step is added by ``add_sync``. ``stage_times`` are what the controller
+    calibrates ``plan`` with: the batch trained here was generated during the step before, so right
+    after a re-split its generation ran on the old plan's rollout pool and is left out (kept as
+    ``gen_s`` with ``gen_plan``)."""
+    gen = {"actor/generation": item["gen_s"]} if item.get("plan_key") == plan.key() else {}
+    stage_times = {**gen, **{k: wall[k] for k in TRAINER_STAGES}}
     return {**{k: v for k, v in trained.items() if k != "times"}, "step": step, "stage_times": stage_times,
             "rollout_s": wall["rollout_s"], "train_s": wall["trainer_s"], "overlap_s": wall["overlap_s"],
-            "handoff_s": wall["handoff_s"], "gen_version": item["version"], "gen_digest": item["digest"],
+            "handoff_s": wall["handoff_s"], "gen_s": item["gen_s"], "gen_version": item["version"], "gen_digest": item["digest"],
             "gen_plan": item["plan"], "staleness": trained["train_version"] - item["version"]}
 
 
@@ -374,7 +378,7 @@ def async_main(rank: int, world: int, cfg: DemoConfig, full: dict, job, cluster,
         peak = _max(float(run.meter.peak))
         wall = {"overlap_s": overlap_s, "handoff_s": handoff_s, "rollout_s": vals[1], "trainer_s": vals[2],
                 **dict(zip(TRAINER_STAGES, vals[3:]))}
-        rec = _record(step, item, trained, wall)
+        rec = _record(step, item, trained, wall, run.plan)
         rec.update(peak_mem_bytes=peak, peak_mem_frac=peak / (cfg.budget_mb * 1024**2), plan=split_label(run.plan),
                    next_cap=cap_at(cfg, step + 1), rollout_ranks=len(rollout_ranks(run.plan)),
                    trainer_ranks=len(run.trainers), busy_max_s=vals[0])

@@ -77,6 +77,9 @@ def test_one_step_off_syncs_bit_exact_keeps_staleness_one_and_resplits_verified(
     assert first["verified"] and first["regions_verified"] > 0 and first["transition_bytes"] > 0
     assert [r["rollout_ranks"] for r in records] == [1, 1, 2, 2] and [r["trainer_ranks"] for r in records] == [3, 3, 2, 2]
     assert records[2]["gen_plan"] == first["plan"] and records[3]["gen_plan"] == records[2]["plan"] != first["plan"]
+    # so step 2's generation (old rollout pool) is not the new plan's evidence; every other step's is
+    assert [("actor/generation" in r["stage_times"]) for r in records] == [True, True, False, True]
+    assert records[2]["gen_s"] > 0
     s = summarize_async(records)
     assert s["syncs_bit_exact"] == s["syncs_checked"] == cfg.steps and s["verified_transitions"] == s["transitions"]
     assert s["staleness"] == [0, 1]
