@@ -35,13 +35,12 @@ import torch
 from nereus.errors import TransitionError
 from nereus.gcpause import gc_paused
 from nereus.executor.arena import trim_cache
-import nereus.executor.reshard.checksum as checksum_mod
 from nereus.executor.reshard.exchange import _run_round
 from nereus.executor.reshard.faults import (CORRUPTIONS, FAULT_KINDS, FaultSpec, _Corruption,  # noqa: F401 - re-exported
                                             _inject)
 from nereus.executor.reshard.pieces import (STAGING_BYTES, _merged, _NewLayout, _prepare,  # noqa: F401 - re-exported
                                             reserve_arena, round_groups)
-from nereus.executor.reshard.program import program, source_sums
+from nereus.executor.reshard.program import program
 from nereus.executor.reshard.recipe import recipe
 from nereus.executor.reshard.vote import RolledBack, transition_worst_case_s, vote_wait_s
 from nereus.executor.store import ShardStore
@@ -167,7 +166,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
                 prog = program(new.recipe, geo, groups, transport.bucket_bytes, store, new, src_t, dst_t, again=True)
                 items = prog.views(store, src_t, dst_t)
             verify = None
-            sums = source_sums(prog, items, lambda parts: checksum_mod.checksums_of(parts))
+            sums = [None] * prog.sums  # this transition's source checksums, by id (``Exchange.send_groups``)
             corruption = _Corruption(fault.kind) if fault is not None and fault.rank == rank \
                 and fault.kind in CORRUPTIONS else None
             for x in prog.exchanges:
@@ -220,5 +219,5 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     return ApplyReport(rank=rank, rounds=rounds, exchanges=len(groups), bytes_sent=counters["sent"], bytes_received=counters["received"],
                        bytes_copied=counters["copied"], bytes_staged=counters["staged"],
                        messages=transport.messages - msgs0,
-                       regions_verified=len(new.filled), seconds=time.perf_counter() - t0, phases=phases,
+                       regions_verified=len(new.recipe.fresh), seconds=time.perf_counter() - t0, phases=phases,
                        peak_bytes=held_before + new.allocated_bytes() + counters["staging_peak"])

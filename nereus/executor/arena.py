@@ -180,17 +180,25 @@ def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device,
                   major: dict[tuple[str, str], int] | None = None) -> dict[Region, torch.Tensor]:
     """Uninitialised tensors for ``regions`` (shape = region lengths, dtype from ``dtypes``),
     each dense with the dim ``major[(model, tensor)]`` (default 0) outermost in memory."""
+    regions = list(regions)
+    return dict(zip(regions, empty_tensors(regions, dtypes, device, major)))
+
+
+def empty_tensors(regions: list[Region], dtypes: dict[str, torch.dtype], device: torch.device,
+                  major: dict[tuple[str, str], int] | None = None) -> list[torch.Tensor]:
+    """``empty_regions`` as a list in the order of ``regions`` (no dict keyed by region)."""
     major = major or {}
     if device.type != "cpu":
-        return {r: _in_order(torch.empty(r.numel, dtype=dtypes[r.dtype], device=device), r.lengths,
-                             major.get((r.model, r.tensor), 0)) for r in regions}
-    by_dtype: dict[str, list[Region]] = defaultdict(list)
-    for r in regions:
-        by_dtype[r.dtype].append(r)
-    out: dict[Region, torch.Tensor] = {}
-    for name, rs in by_dtype.items():
-        for r, flat in zip(rs, scratch([r.numel for r in rs], dtypes[name], device)):
-            out[r] = _in_order(flat, r.lengths, major.get((r.model, r.tensor), 0))
+        return [_in_order(torch.empty(r.numel, dtype=dtypes[r.dtype], device=device), r.lengths,
+                          major.get((r.model, r.tensor), 0)) for r in regions]
+    by_dtype: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(regions):
+        by_dtype[r.dtype].append(i)
+    out: list[torch.Tensor | None] = [None] * len(regions)
+    for name, idx in by_dtype.items():
+        for i, flat in zip(idx, scratch([regions[i].numel for i in idx], dtypes[name], device)):
+            r = regions[i]
+            out[i] = _in_order(flat, r.lengths, major.get((r.model, r.tensor), 0))
     return out
 
 

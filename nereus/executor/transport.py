@@ -90,7 +90,7 @@ class Transport(ABC):
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
         self.finish(self.start(), timeout_s)
 
-    def start(self, before_send=None, after_pack=None, messages=None) -> "Posted | None":
+    def start(self, before_send=None, after_pack=None, messages=None, groups=None) -> "Posted | None":
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
@@ -102,59 +102,76 @@ class Transport(ABC):
         then post the exchange as one batch. ``after_pack(sends, carried)`` (fault injection)
         sees every outgoing (peer, buffer) and the tensors each carries once packing is done,
         before any hook or post. ``messages``: (sends, receives) already laid out as ``_messages``
-        lays out the submitted tensors (a compiled exchange: ``reshard.program``), instead of them."""
+        lays out the submitted tensors (a compiled exchange: ``reshard.program``), instead of them.
+        ``groups``: (end index of each posting group, ``before_group(g)``) instead of
+        ``before_send``: the caller's groups (``Exchange.send_groups``), one hook call per group."""
         if messages is None:
             out, inc = self._messages(self._sends), self._messages(self._recvs)
             self._sends, self._recvs = defaultdict(list), defaultdict(list)
         else:
             out, inc = messages
-        bufs = iter(_staging([m for _, m in out + inc]))
-        sends = [(peer, m if isinstance(m, torch.Tensor) else _pack(m, next(bufs))) for peer, m in out]
-        recvs = [(peer, m if isinstance(m, torch.Tensor) else next(bufs)) for peer, m in inc]
-        staged = [None if isinstance(m, torch.Tensor) else m for _, m in inc]
-        carried = [[m] if isinstance(m, torch.Tensor) else m for _, m in out]
-        if not sends and not recvs:
+        if not out and not inc:
             return None
+        bufs = iter(_staging([m for _, m in out + inc]))
+        sends = [(peer, m) if type(m) is not list else (peer, _pack(m, next(bufs))) for peer, m in out]
+        recvs = [(peer, m) if type(m) is not list else (peer, next(bufs)) for peer, m in inc]
+        staged = [m if type(m) is list else None for _, m in inc]
+        carried = [m if type(m) is list else [m] for _, m in out] if (after_pack or before_send) is not None else None
         if after_pack is not None:
             after_pack(sends, carried)
         self.messages += len(sends)
-        self.bytes_sent += sum(b.numel() * b.element_size() for _, b in sends)
+        self.bytes_sent += sum(b.nbytes for _, b in sends)
+        if groups is None and before_send is not None:  # one group per SEND_GROUP_BYTES, the hook per message
+            groups = (self._groups(sends), lambda g: None)
+        ends, before_group = groups if groups is not None else ([len(sends)] if sends else [], lambda g: None)
         t0 = time.perf_counter()
         if not self.streaming:  # one batch (an NCCL group): every checksum first, then post everything
-            if before_send is not None:
-                for (peer, buf), parts in zip(sends, carried):
-                    before_send(peer, buf, parts)
-                t0 = time.perf_counter()
+            lo = 0
+            for g, hi in enumerate(ends):
+                before_group(g)
+                if before_send is not None:
+                    for j in range(lo, hi):
+                        before_send(sends[j][0], sends[j][1], carried[j])
+                lo = hi
+            t0 = time.perf_counter()
             recv_handles, send_handles = self._post_together(sends, recvs)
             self.wire_s += time.perf_counter() - t0
             return Posted(recv_handles, send_handles, sends, recvs, staged)
         recv_handles = self._post_recvs(recvs) if recvs else []
         send_handles = []
-        if before_send is None:
-            send_handles = self._post_sends(sends) if sends else []
-        else:  # in groups of >= SEND_GROUP_BYTES: the wire starts early, few posting calls
-            group: list[tuple[int, torch.Tensor]] = []
-            size = 0
-            for j, ((peer, buf), parts) in enumerate(zip(sends, carried)):
-                t1 = time.perf_counter()
-                before_send(peer, buf, parts)
-                t0 += time.perf_counter() - t1
-                group.append((peer, buf))
-                size += buf.numel() * buf.element_size()
-                if size >= SEND_GROUP_BYTES or j == len(sends) - 1:
-                    send_handles += self._post_sends(group)
-                    group, size = [], 0
+        lo = 0
+        for g, hi in enumerate(ends):  # the wire starts early, few posting calls
+            t1 = time.perf_counter()
+            before_group(g)
+            if before_send is not None:
+                for j in range(lo, hi):
+                    before_send(sends[j][0], sends[j][1], carried[j])
+            t0 += time.perf_counter() - t1
+            send_handles += self._post_sends(sends[lo:hi])
+            lo = hi
         self.wire_s += time.perf_counter() - t0
         return Posted(recv_handles, send_handles, sends, recvs, staged)
 
+    @staticmethod
+    def _groups(sends: list) -> list[int]:
+        """End indices of posting groups of at least ``SEND_GROUP_BYTES`` (the last may be smaller)."""
+        ends, size = [], 0
+        for j, (_, buf) in enumerate(sends):
+            size += buf.nbytes
+            if size >= SEND_GROUP_BYTES or j == len(sends) - 1:
+                ends.append(j + 1)
+                size = 0
+        return ends
+
     def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None,
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, landed_at=None) -> None:
         """Wait for what ``start`` posted, all under one deadline (``deadline``, a
         ``time.monotonic()`` value, else ``timeout_s`` from now): a peer that sends each message
         just within ``timeout_s`` cannot stretch the exchange past it. As each received message
         completes, ``on_arrival(i, buf)`` runs on it, a staged message is scattered into its
-        tensors, and ``landed(peer, parts)`` sees the submitted tensors it filled, in order (their
-        bytes still in cache); then the sends are waited for.
+        tensors, and ``landed(peer, parts)`` (or ``landed_at(i, parts)``, by message index) sees
+        the submitted tensors it filled, in order (their bytes still in cache); then the sends
+        are waited for.
 
         Each peer's messages are handled in their order; across peers, in the order they arrive
         where the transport can tell (``_ready``: gloo), so a rank hashes what one peer sent while
@@ -165,30 +182,46 @@ class Transport(ABC):
         deadline = time.monotonic() + timeout_s if deadline is None else deadline
         heads: dict[int, deque] = {}
         for i, (peer, _) in enumerate(pending.recvs):
-            heads.setdefault(peer, deque()).append(i)
-        handles = pending.recv_handles
+            q = heads.get(peer)
+            if q is None:
+                q = heads[peer] = deque()
+            q.append(i)
+        handles, recvs, staged, ready = pending.recv_handles, pending.recvs, pending.staged, self._ready
         while heads:
-            peer = next((p for p, q in heads.items() if self._ready(handles[q[0]])), None)
-            if peer is None:  # nothing has landed: wait for the earliest posted of the next ones
+            done = []  # one sweep over the peers: each one's messages that have landed, in order
+            for peer, q in heads.items():
+                while q and ready(handles[q[0]]):
+                    done.append((peer, q.popleft(), True))
+            if not done:  # nothing has landed: wait for the earliest posted of the next ones
                 peer = min(heads, key=lambda p: heads[p][0])
                 t0 = time.perf_counter()
                 self._wait(handles[heads[peer][0]], self._left(deadline, timeout_s))
                 self.wire_s += time.perf_counter() - t0
+                done.append((peer, heads[peer].popleft(), False))
             else:
-                self._wait(handles[heads[peer][0]], self._left(deadline, timeout_s))  # done: raises a failure
-            i = heads[peer].popleft()
-            if not heads[peer]:
+                self._left(deadline, timeout_s)
+            for peer, i, was_ready in done:
+                if was_ready:
+                    self._wait_done(handles[i])  # complete: raises its failure, if any
+                buf = recvs[i][1]
+                if on_arrival is not None:
+                    on_arrival(i, buf)
+                parts = staged[i]
+                if parts is not None:
+                    _unpack(buf.view(-1), parts)
+                if landed_at is not None:
+                    landed_at(i, parts or [buf])
+                if landed is not None:
+                    landed(peer, parts or [buf])
+            for peer in [p for p, q in heads.items() if not q]:
                 del heads[peer]
-            buf = pending.recvs[i][1]
-            if on_arrival is not None:
-                on_arrival(i, buf)
-            if pending.staged[i] is not None:
-                _unpack(buf.view(-1), pending.staged[i])
-            if landed is not None:
-                landed(peer, pending.staged[i] or [buf])
         t0 = time.perf_counter()
         self._wait(pending.send_handles, self._left(deadline, timeout_s))
         self.wire_s += time.perf_counter() - t0
+
+    def _wait_done(self, handles: list) -> None:
+        """Wait for handles ``_ready`` found complete (raises the failure of one that failed)."""
+        self._wait(handles, 1.0)
 
     def _ready(self, handles: list) -> bool:
         """Whether a message's receive has completed (checked without waiting); False where the
@@ -270,7 +303,7 @@ def _staging(messages: list) -> list[torch.Tensor]:
     tensor), in order; taken from the arena (reused memory), one host buffer per dtype."""
     need: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = defaultdict(list)
     for i, m in enumerate(messages):
-        if not isinstance(m, torch.Tensor):
+        if type(m) is list:
             need[(m[0].dtype, m[0].device)].append((i, sum(t.numel() for t in m)))
     got: dict[int, torch.Tensor] = {}
     for (dtype, device), items in need.items():
@@ -343,7 +376,21 @@ class DistTransport(Transport):
     def _ready(self, works: list) -> bool:
         """gloo: every work of the message completed (``is_completed`` does not block). NCCL keeps
         the posted order (its works complete on the device stream)."""
-        return self.streaming and all(w.is_completed() for w in works)
+        if not self.streaming:
+            return False
+        for w in works:
+            if not w.is_completed():
+                return False
+        return True
+
+    def _wait_done(self, works: list) -> None:
+        if not self.streaming:
+            return self._wait_polled(works, 1.0)
+        try:
+            for w in works:
+                w.wait()  # complete: returns at once, or raises its failure
+        except RuntimeError as e:
+            raise self._failed("point-to-point exchange", e) from e
 
     def _post_recvs(self, recvs: list) -> list:  # streaming (gloo) only: NCCL posts through _post_together
         return [[w] for w in self._direct(self._pg.recv, recvs)]

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 import torch
 
 from nereus.errors import TransitionError
-from nereus.executor.arena import empty_regions, mostly_dead
+from nereus.executor.arena import empty_tensors, mostly_dead
 from nereus.executor.reshard.checksum import checksum
 from nereus.executor.reshard.program import _joins, program
 from nereus.executor.reshard.recipe import Geometry, dense, geometry, join_key, join_record, recipe, same_items
@@ -24,20 +24,36 @@ class _NewLayout:
 
     def __init__(self, store: ShardStore, plan: TransitionPlan, rank: int, major: dict[tuple[str, str], int]) -> None:
         rec = self.recipe = recipe(plan, rank, major)
-        self.kept = kept = rec.kept
-        self.tensors: dict[Region, torch.Tensor] = {r: store.get(r) for r in rec.held}
-        self.filled: dict[Region, list[Region]] = {r: [] for r in rec.fresh}
+        self.kept = rec.kept
+        held = rec.held
+        held_t = [store.get(r) for r in held]
         # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
-        held = rec.held
-        self.relocated = [r for r, move in zip(held, mostly_dead([self.tensors[r] for r in held])) if move]
-        self.tensors.update(empty_regions(rec.fresh + self.relocated, TORCH_DTYPES, store.device, major))
-        for r in self.relocated:
-            self.tensors[r].copy_(store.get(r))
+        self.relocated = [r for r, move in zip(held, mostly_dead(held_t)) if move]
+        made = empty_tensors(rec.fresh + self.relocated, TORCH_DTYPES, store.device, major)
+        self.fresh_t = made[:len(rec.fresh)]
+        """The new regions' tensors, in ``recipe.fresh`` order."""
+        self.tensors: dict[Region, torch.Tensor] = dict(zip(held + rec.fresh + self.relocated, held_t + made))
+        for r, t in zip(self.relocated, made[len(rec.fresh):]):
+            t.copy_(store.get(r))
         self.relocated_bytes = sum(r.nbytes for r in self.relocated)
+        self._allocated = sum(t.nbytes for t in made)
+        self._filled: dict[Region, list[Region]] | None = None
         self._homes: dict[tuple[str, str, str], list[tuple[Region, torch.Tensor, list[Region]]]] | None = None
         self.bases: tuple | None = None
         """(source tensors per recipe slot, new tensors, their ``Geometry``): set by ``_prepare``."""
+
+    @property
+    def filled(self) -> dict[Region, list[Region]]:
+        """Per new region, the pieces that land in it (recorded while the recipe's cover is not
+        checked yet: read by that check alone)."""
+        if self._filled is None:
+            self._filled = {r: [] for r in self.recipe.fresh}
+        return self._filled
+
+    @filled.setter
+    def filled(self, value: dict[Region, list[Region]]) -> None:
+        self._filled = value
 
     def _home(self, piece: Region) -> tuple[Region, torch.Tensor, list[Region]]:
         if self._homes is None:  # per (model, tensor, kind): the new regions, their tensors and pieces
@@ -64,8 +80,7 @@ class _NewLayout:
         return _wire_at(t, r, piece, dim)
 
     def allocated_bytes(self) -> int:
-        return sum(self.tensors[r].numel() * self.tensors[r].element_size()
-                   for r in (*self.filled, *self.relocated))
+        return self._allocated
 
     def check_complete(self, rank: int) -> None:
         """The plan's pieces tile every new region exactly: no overlap, no gap (checked on the
@@ -131,7 +146,7 @@ def _prepare(plan: TransitionPlan, store: ShardStore, new: _NewLayout, rank: int
         _derive(rec, plan, store, new, rank, major)
         held = [store.held(outer) for outer in rec.outers]
     src_t = [held[i] for i in rec.slot_outer]
-    dst_t = [new.tensors[r] for r in rec.fresh]
+    dst_t = new.fresh_t
     geo = _geometry(rec, src_t, dst_t)
     new.bases = (src_t, dst_t, geo)
     if not views and rec.cover_checked:

@@ -25,6 +25,7 @@ import torch
 
 from nereus.executor.reshard.recipe import dense, geometry
 from nereus.executor.store import TORCH_DTYPES
+from nereus.executor.transport import SEND_GROUP_BYTES
 from nereus.planner.transition.types import Region
 
 
@@ -38,12 +39,29 @@ class Exchange:
         indices of the views packed into one staging buffer)."""
         self.send_sums: list[list[tuple[int, int]]] = []
         """Per outgoing message: (source checksum id, view index) of each piece it carries."""
+        self.send_groups: list[tuple[int, int, int, list[int]]] = []
+        """The outgoing messages in posting groups of at least ``SEND_GROUP_BYTES`` (the last may
+        be smaller), in order: (end message index, first and end checksum id, view indices). Before
+        a group is posted, the pieces it carries that no earlier message carried are hashed from
+        their source views, in one call; their checksum ids are consecutive (ids are numbered in
+        the order pieces are first hashed), so the values fill ``sums[first:end]``."""
+        self.peer_sums: list[tuple[int, list[int]]] = []
+        """Per peer sent to, in peer order: the checksum ids of the pieces its messages carry, in
+        message order (the checksum message posted behind the data)."""
         self.recvs: list[tuple[int, int | list[int]]] = []
         """Per incoming message, like ``sends``."""
+        self.recv_at: list[int] = [0]
+        """Per incoming message, where its pieces' checksums start in the exchange's received
+        checksums (every peer's, in message order, peers in order), then their count."""
+        self.recv_peers: list[tuple[int, int, int]] = []
+        """(peer, first, end) of each peer's pieces in those checksums, in peer order."""
         self.recv_regions: dict[int, list[Region]] = {}
         """Per peer: the pieces its messages fill, in order (named when a checksum differs)."""
         self.copies: list[tuple[int, int, int, int, Region]] = []
         """Local copies: (source view, target view, source checksum id, bytes, piece)."""
+        self.copy_sums: tuple[int, int, list[int]] = (0, 0, [])
+        """The copies' sources no message of the exchange carries: (first and end checksum id,
+        view indices), hashed together before the copies run."""
         self.sent = self.incoming = self.staging = 0
         """Bytes sent, bytes received, bytes that go through staging buffers (packed sends and
         staged receives)."""
@@ -146,14 +164,15 @@ def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dic
     """The exchange's messages as ``Transport._messages`` lays out the same submitted tensors:
     per (peer, dtype), in (peer, dtype name) order, the pieces below ``bucket_bytes`` packed into
     one message, then each larger one in submission order (in place where it is one dense block,
-    else through its own staging buffer)."""
+    else through its own staging buffer); then the hashing plan (``send_groups``, ``peer_sums``,
+    ``copy_sums``, ``recv_at``, ``recv_peers``)."""
     queued: dict[str, dict[tuple[int, torch.dtype], list[tuple]]] = {"send": defaultdict(list),
                                                                      "recv": defaultdict(list)}
+    copies = []
     for it in items:
         what = it[0]
         if what == "copy":
-            _, src, dst, n, region = it
-            x.copies.append((src, dst, sum_id.setdefault(region, len(sum_id)), n, region))
+            copies.append(it)
             continue
         _, peer, v, n, region = it
         queued[what][(peer, TORCH_DTYPES[region.dtype])].append((v, n, region))
@@ -161,6 +180,7 @@ def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dic
             x.sent += n
         else:
             x.incoming += n
+    carried: list[list[tuple]] = []
     for what, out in (("send", x.sends), ("recv", x.recvs)):
         for (peer, _), pieces in sorted(queued[what].items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             small = [p for p in pieces if p[1] < bucket_bytes]
@@ -172,25 +192,53 @@ def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dic
                 if staged:
                     x.staging += sum(p[1] for p in m)
                 if what == "send":
-                    x.send_sums.append([(sum_id.setdefault(p[2], len(sum_id)), p[0]) for p in m])
+                    carried.append(m)
                 else:
                     x.recv_regions.setdefault(peer, []).extend(p[2] for p in m)
+                    x.recv_at.append(x.recv_at[-1] + len(m))
+    _hash_plan(x, carried, copies, sum_id)
     return x
 
 
-def source_sums(prog: Program, views: list[torch.Tensor], checksums_of):
-    """A function of a list of (source checksum id, view index): their checksums, each piece
-    hashed from its source region the first time it is asked for in this transition."""
-    got: list[int | None] = [None] * prog.sums
+def _hash_plan(x: Exchange, carried: list[list[tuple]], copies: list[tuple], sum_id: dict) -> None:
+    """Which source pieces are hashed before each posting group and before the copies, with
+    checksum ids numbered in that order (each distinct piece once per transition)."""
+    peer_sums: dict[int, list[int]] = defaultdict(list)
+    size, first, fresh = 0, len(sum_id), []
+    for j, ((peer, _), m) in enumerate(zip(x.sends, carried)):
+        ids = []
+        for v, n, region in m:
+            h = sum_id.get(region)
+            if h is None:
+                h = sum_id[region] = len(sum_id)
+                fresh.append(v)
+            ids.append(h)
+            size += n
+        x.send_sums.append(list(zip(ids, (p[0] for p in m))))
+        peer_sums[peer] += ids
+        if size >= SEND_GROUP_BYTES or j == len(carried) - 1:
+            x.send_groups.append((j + 1, first, len(sum_id), fresh))
+            size, first, fresh = 0, len(sum_id), []
+    x.peer_sums = sorted(peer_sums.items())
+    first, fresh = len(sum_id), []
+    for _, src, dst, n, region in copies:
+        h = sum_id.get(region)
+        if h is None:
+            h = sum_id[region] = len(sum_id)
+            fresh.append(src)
+        x.copies.append((src, dst, h, n, region))
+    x.copy_sums = (first, len(sum_id), fresh)
+    at = 0
+    for peer, regions in sorted(x.recv_regions.items()):
+        x.recv_peers.append((peer, at, at + len(regions)))
+        at += len(regions)
 
-    def sums(ids: list[tuple[int, int]]) -> list[int]:
-        todo = [(h, i) for h, i in ids if got[h] is None]
-        if todo:
-            for (h, _), value in zip(todo, checksums_of([views[i] for _, i in todo])):
-                got[h] = value
-        return [got[h] for h, _ in ids]
 
-    return sums
+def hash_sources(sums: list, views: list[torch.Tensor], first: int, end: int, fresh: list[int], checksums_of) -> None:
+    """``sums[first:end]``: the checksums of the source views ``fresh`` (a posting group's or the
+    copies' pieces not hashed before in this transition), each from the source region itself."""
+    if fresh:
+        sums[first:end] = checksums_of([views[i] for i in fresh])
 
 
 def _joins(items: list[tuple], major: dict[tuple[str, str], int]) -> list | None:
