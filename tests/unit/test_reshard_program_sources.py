@@ -56,5 +56,8 @@ def test_every_outgoing_piece_is_hashed_from_a_view_of_its_source_region(monkeyp
                 assert sums[h] == checksum(views[src].contiguous())
             assert x.recv_at[-1] == sum(len(r) for r in x.recv_regions.values()) == (x.recv_peers or [(0, 0, 0)])[-1][2]
         assert None not in sums  # every source piece of the transition hashed
+        used = {v for x in prog.exchanges for _, m in x.sends + x.recvs for v in ([m] if type(m) is int else m)}
+        used |= {v for x in prog.exchanges for src, dst, *_ in x.copies for v in (src, dst)}
+        assert used == set(range(len(views)))  # a view per piece that moves, none for pieces joined away
     assert strided  # the case holds strided sources (ZeRO shares of row-parallel moments)
     assert groups == messages if group_bytes == 1 else groups < messages

@@ -155,9 +155,31 @@ def _compile(rec, geo, groups, bucket_bytes, store, new, src_t, dst_t) -> Progra
             items = [items[j] if type(j) is int else (j[0], j[1], joined_view(j[0], j[3], j[4]), j[2], j[3])
                      for j in joins]
         exchanges.append(_layout(Exchange(lo, hi), items, contiguous, sum_id, bucket_bytes))
-    prog = Program(specs, extras, exchanges, len(sum_id))
+    prog = Program(_used(specs, exchanges), extras, exchanges, len(sum_id))
     prog.extra_strides = [store.held(r).stride() for r in extras]
     return prog
+
+
+def _used(specs: list[tuple], exchanges: list[Exchange]) -> list[tuple]:
+    """The views the exchanges use, renumbered in order of first use (a piece joined into a
+    larger one, or a source slot only joined pieces read, is not made at all)."""
+    new: dict[int, int] = {}
+
+    def at(v: int) -> int:
+        return new.setdefault(v, len(new))
+
+    def msg(m):
+        return at(m) if type(m) is int else [at(v) for v in m]
+
+    for x in exchanges:
+        x.sends = [(peer, msg(m)) for peer, m in x.sends]
+        x.recvs = [(peer, msg(m)) for peer, m in x.recvs]
+        x.copies = [(at(src), at(dst), h, n, r) for src, dst, h, n, r in x.copies]
+        x.send_sums = [[(h, at(v)) for h, v in ids] for ids in x.send_sums]
+        x.send_groups = [(end, first, stop, [at(v) for v in fresh]) for end, first, stop, fresh in x.send_groups]
+        first, stop, fresh = x.copy_sums
+        x.copy_sums = (first, stop, [at(v) for v in fresh])
+    return [specs[v] for v in new]
 
 
 def _layout(x: Exchange, items: list[tuple], contiguous: list[bool], sum_id: dict, bucket_bytes: int) -> Exchange:
