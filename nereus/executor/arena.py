@@ -9,8 +9,9 @@ this project's 2-core VM that costs more than the transfer itself (see
 allocator for transitions:
 
 - ``empty_regions(regions, dtypes, device, major)`` carves every region out of one flat buffer
-  per dtype (each region 64-byte aligned, dense, in storage order); on CUDA it is plain
-  ``torch.empty`` per region.
+  per dtype (each region 64-byte aligned, dense, in storage order; ``empty_tensors``: the same as
+  a list); on CUDA it is plain ``torch.empty`` per region. ``staging`` carves a transport's
+  staging buffers the same way (``pack`` and ``unpack`` fill and scatter them).
 - Host buffers are anonymous mappings (2 MiB multiples; transparent huge pages on request,
   ``use_huge_pages``), kept after their last tensor dies: the next ``empty_regions`` or
   ``scratch`` call reuses a free one of a fitting size (between the request and twice it)
@@ -216,3 +217,36 @@ def scratch(numels: list[int], dtype: torch.dtype, device: torch.device) -> list
     if not numels:
         return []
     return list(buf.view(dtype).split_with_sizes(sizes)[0::2])
+
+
+def staging(messages: list) -> list[torch.Tensor]:
+    """One flat staging buffer per message that is a list of tensors (a bucket, or one strided
+    tensor), in order; taken from the arena (reused memory), one host buffer per dtype."""
+    need: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = defaultdict(list)
+    for i, m in enumerate(messages):
+        if type(m) is list:
+            need[(m[0].dtype, m[0].device)].append((i, sum(t.numel() for t in m)))
+    got: dict[int, torch.Tensor] = {}
+    for (dtype, device), items in need.items():
+        for (i, _), buf in zip(items, scratch([n for _, n in items], dtype, device)):
+            got[i] = buf
+    return [got[i] for i in sorted(got)]
+
+
+def pack(tensors: list[torch.Tensor], into: torch.Tensor) -> torch.Tensor:
+    """``tensors``' elements back to back in the flat buffer ``into`` (a message's staging copy)."""
+    pos = 0
+    for t in tensors:
+        n = t.numel()
+        into[pos:pos + n].view(t.shape).copy_(t)
+        pos += n
+    return into
+
+
+def unpack(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
+    """The flat buffer ``flat`` scattered into ``into``, back to back (``pack``'s inverse)."""
+    pos = 0
+    for t in into:
+        n = t.numel()
+        t.copy_(flat[pos:pos + n].view(t.shape))
+        pos += n

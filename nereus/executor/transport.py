@@ -38,7 +38,9 @@ from datetime import timedelta
 import torch
 
 from nereus.errors import TransitionError
-from nereus.executor.arena import scratch
+from nereus.executor.arena import pack as _pack
+from nereus.executor.arena import staging as _staging
+from nereus.executor.arena import unpack as _unpack
 
 
 BUCKET_BYTES = 1 << 16
@@ -49,7 +51,8 @@ costs about as much CPU as packing and unpacking 64-128 KiB (measured, interleav
 
 
 SEND_GROUP_BYTES = 8 << 20
-"""With a ``before_send`` hook, outgoing messages are posted in groups of at least this size."""
+"""A compiled exchange posts its outgoing messages in groups of at least this size, each right
+after the sender hashed the pieces it carries (``Exchange.send_groups``)."""
 
 
 class Transport(ABC):
@@ -90,21 +93,18 @@ class Transport(ABC):
         """Exchange every submitted tensor; raise TransitionError on failure or timeout."""
         self.finish(self.start(), timeout_s)
 
-    def start(self, before_send=None, after_pack=None, messages=None, groups=None) -> "Posted | None":
+    def start(self, after_pack=None, messages=None, groups=None) -> "Posted | None":
         """Post every submitted tensor and return at once (the bytes move in the background).
 
         Message order per (peer, dtype): the bucket of small tensors, then the large ones in
-        submission order. ``before_send(peer, buf, parts)`` sees every outgoing message before it
-        is posted, with the submitted tensors it carries in order (``buf`` holds their elements
-        back to back; a tensor sent in place is ``buf`` itself): the caller's checksums.
-        Streaming transports (gloo) post the receives first, then the sends in groups of
-        ``SEND_GROUP_BYTES``, each right after its hook ran; the others (NCCL) run every hook,
-        then post the exchange as one batch. ``after_pack(sends, carried)`` (fault injection)
-        sees every outgoing (peer, buffer) and the tensors each carries once packing is done,
-        before any hook or post. ``messages``: (sends, receives) already laid out as ``_messages``
-        lays out the submitted tensors (a compiled exchange: ``reshard.program``), instead of them.
-        ``groups``: (end index of each posting group, ``before_group(g)``) instead of
-        ``before_send``: the caller's groups (``Exchange.send_groups``), one hook call per group."""
+        submission order. ``messages``: (sends, receives) already laid out as ``_messages`` lays
+        out the submitted tensors (a compiled exchange: ``reshard.program``), instead of them.
+        ``groups``: (end index of each posting group, ``before_group(g)``): the hook runs before
+        group g is posted (the caller's checksums of the pieces it carries: ``Exchange.send_groups``).
+        Streaming transports (gloo) post the receives first, then the sends group by group, each
+        right after its hook ran; the others (NCCL) run every hook, then post the exchange as one
+        batch. ``after_pack(sends, carried)`` (fault injection) sees every outgoing (peer, buffer)
+        and the tensors each carries once packing is done, before any hook or post."""
         if messages is None:
             out, inc = self._messages(self._sends), self._messages(self._recvs)
             self._sends, self._recvs = defaultdict(list), defaultdict(list)
@@ -116,52 +116,29 @@ class Transport(ABC):
         sends = [(peer, m) if type(m) is not list else (peer, _pack(m, next(bufs))) for peer, m in out]
         recvs = [(peer, m) if type(m) is not list else (peer, next(bufs)) for peer, m in inc]
         staged = [m if type(m) is list else None for _, m in inc]
-        carried = [m if type(m) is list else [m] for _, m in out] if (after_pack or before_send) is not None else None
         if after_pack is not None:
-            after_pack(sends, carried)
+            after_pack(sends, [m if type(m) is list else [m] for _, m in out])
         self.messages += len(sends)
         self.bytes_sent += sum(b.nbytes for _, b in sends)
-        if groups is None and before_send is not None:  # one group per SEND_GROUP_BYTES, the hook per message
-            groups = (self._groups(sends), lambda g: None)
         ends, before_group = groups if groups is not None else ([len(sends)] if sends else [], lambda g: None)
         t0 = time.perf_counter()
         if not self.streaming:  # one batch (an NCCL group): every checksum first, then post everything
-            lo = 0
-            for g, hi in enumerate(ends):
+            for g in range(len(ends)):
                 before_group(g)
-                if before_send is not None:
-                    for j in range(lo, hi):
-                        before_send(sends[j][0], sends[j][1], carried[j])
-                lo = hi
             t0 = time.perf_counter()
             recv_handles, send_handles = self._post_together(sends, recvs)
             self.wire_s += time.perf_counter() - t0
             return Posted(recv_handles, send_handles, sends, recvs, staged)
         recv_handles = self._post_recvs(recvs) if recvs else []
-        send_handles = []
-        lo = 0
+        send_handles, lo = [], 0
         for g, hi in enumerate(ends):  # the wire starts early, few posting calls
             t1 = time.perf_counter()
             before_group(g)
-            if before_send is not None:
-                for j in range(lo, hi):
-                    before_send(sends[j][0], sends[j][1], carried[j])
             t0 += time.perf_counter() - t1
             send_handles += self._post_sends(sends[lo:hi])
             lo = hi
         self.wire_s += time.perf_counter() - t0
         return Posted(recv_handles, send_handles, sends, recvs, staged)
-
-    @staticmethod
-    def _groups(sends: list) -> list[int]:
-        """End indices of posting groups of at least ``SEND_GROUP_BYTES`` (the last may be smaller)."""
-        ends, size = [], 0
-        for j, (_, buf) in enumerate(sends):
-            size += buf.nbytes
-            if size >= SEND_GROUP_BYTES or j == len(sends) - 1:
-                ends.append(j + 1)
-                size = 0
-        return ends
 
     def finish(self, pending: "Posted | None", timeout_s: float, on_arrival=None, landed=None,
                deadline: float | None = None, landed_at=None) -> None:
@@ -296,37 +273,6 @@ class Posted:
 def _key(item) -> tuple[int, str]:
     (peer, dtype), _ = item
     return peer, str(dtype)
-
-
-def _staging(messages: list) -> list[torch.Tensor]:
-    """One flat staging buffer per message that is a list of tensors (a bucket, or one strided
-    tensor), in order; taken from the arena (reused memory), one host buffer per dtype."""
-    need: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = defaultdict(list)
-    for i, m in enumerate(messages):
-        if type(m) is list:
-            need[(m[0].dtype, m[0].device)].append((i, sum(t.numel() for t in m)))
-    got: dict[int, torch.Tensor] = {}
-    for (dtype, device), items in need.items():
-        for (i, _), buf in zip(items, scratch([n for _, n in items], dtype, device)):
-            got[i] = buf
-    return [got[i] for i in sorted(got)]
-
-
-def _pack(tensors: list[torch.Tensor], into: torch.Tensor) -> torch.Tensor:
-    pos = 0
-    for t in tensors:
-        n = t.numel()
-        into[pos:pos + n].view(t.shape).copy_(t)
-        pos += n
-    return into
-
-
-def _unpack(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-    pos = 0
-    for t in into:
-        n = t.numel()
-        t.copy_(flat[pos:pos + n].view(t.shape))
-        pos += n
 
 
 class DistTransport(Transport):
