@@ -3,9 +3,9 @@
 Protocol (every rank of the transition, once per round, same order on all ranks):
 ``submit_send(peer, t)`` / ``submit_recv(peer, t)`` any number of times, then ``run(timeout_s)``,
 or ``start()`` ... ``finish(pending, timeout_s)`` to do other work while the bytes move; ``start``
-and ``finish`` take hooks that see every outgoing message (and the submitted tensors it carries)
-before it is posted, every incoming one as it arrives, and the submitted tensors an incoming
-message filled once they hold its bytes (the executor checksums the pieces there).
+takes a hook run before each group of outgoing messages is posted (the executor checksums the
+pieces they carry there), ``finish`` hooks that see every incoming message as it arrives and the
+submitted tensors it filled once they hold its bytes (the executor checksums the pieces there).
 Sends to and receives from one peer are *bucketed*: all tensors of one (peer, dtype) in a round
 travel as one flat message, in submission order, so thousands of small regions are a handful of
 messages. Both sides submit in op-id order, so the buckets line up without any header.
