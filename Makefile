@@ -45,7 +45,7 @@ $(STAMP): $(RUN_STAMP)
 	@touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q tests notebooks --nbmake
+	$(BIN)/python -m pytest -q -n 2 tests notebooks --nbmake
 
 # the demo needs no test extras: a fresh clone's `make demo` installs only what it runs
 demo: install-run
