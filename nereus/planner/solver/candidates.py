@@ -18,6 +18,7 @@ import numpy as np
 
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
+from nereus.planner.cost.floors import memory_floor
 from nereus.planner.cost.model import (
     engine_memory_util,
     estimate,
@@ -209,6 +210,8 @@ class _Estimator:
         self.memo: dict = {}  # estimate's shared terms, for this problem's (job, cluster, workload, unit params)
         self.factors = {ms: p.factor(ms.partition("/")[2]) for ms in problem.job.model_stages()}
         self.configs: dict[tuple, ParallelConfig] = {}
+        self.memory_floors = {ms: memory_floor(self.j, ms, self.j.model(ms.split("/")[0]), self.w, p)
+                              for ms in problem.job.model_stages()}  # (bytes each config needs at least)
 
     def config(self, *key: int | bool) -> ParallelConfig:
         """ParallelConfig(tp, pp, dp, micro_batch, zero, recompute, sp, cp, ep, etp), one object per
@@ -252,10 +255,11 @@ def _kib(x: float) -> int:
 
 
 def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,
-                 est: _Estimator | None = None) -> list[tuple[tuple, dict]]:
+                 est: _Estimator | None = None, keep=None) -> list[tuple[tuple, dict]]:
     """Every memory-feasible option of ``unit`` on a pool of ``size`` GPUs (before dominance) as
     (dominance axes, fields of the Option) rows: the tables build an Option only for the rows no other
-    one dominates (``_undominated``)."""
+    one dominates (``_undominated``). ``keep(cfg)`` (a training or inference unit): only the configs it
+    keeps are priced (``TableBuilder.group``)."""
     est = est or _Estimator(problem)
     if unit.name == GEN:
         return _generation_options(problem, unit, size, n_phases, sync_keys, est)
@@ -264,12 +268,15 @@ def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, syn
     offloads = cs.offload if trainable else (False,)
     out: list[tuple[tuple, dict]] = []
     infer_cache: dict = {}
+    memory = est.memory_floors[unit.stages[0]]
     for tp, pp, dp, mb, sp, cp, ep, etp in _shapes(problem, unit, size):
         for zero in (cs.zeros if trainable else cs.frozen_zeros):
             if zero >= 3 and ep * etp > 1:  # expert parallelism runs with Megatron's distributed optimizer
                 continue
             for rc in (cs.recompute if trainable else (False,)):
                 cfg = est.config(tp, pp, dp, mb, zero, rc, sp, cp, ep, etp)
+                if (keep is not None and not keep(cfg)) or all(memory(cfg, off) > cap for off in offloads):
+                    continue  # (or its first stage alone overfills an empty GPU, ``cost.floors.memory_floor``)
                 ests = [est(unit.stages[0], cfg)]
                 if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
                     if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
@@ -385,8 +392,7 @@ def _undominated(axes: list[tuple]) -> list[int]:
 
 def _undominated_loop(axes: list[tuple]) -> list[int]:
     order = sorted(range(len(axes)), key=lambda i: (axes[i], i))
-    kept: list[tuple] = []
-    keep_idx = []
+    kept, keep_idx = [], []
     for i in order:
         a = axes[i]
         if any(all(y <= x for x, y in zip(a, b)) for b in kept):
@@ -438,6 +444,8 @@ class TableBuilder:
             sizes = fixed_sizes(problem)
         units, self.problem, self.est = make_units(problem), problem, _Estimator(problem)
         self.priced, self.floors, self._full = {}, {}, None  # (floors: greedy.group_floor's, by group)
+        self.floor_fns, self.partial = {}, {}  # (greedy._floor_fns; groups priced for price_groups' contexts)
+        self.context = None  # (the context of the price_groups call running, if any)
         self.frame = Tables(units=units, sizes=sizes, options=((),) * len(units), capacity_kib=int(c.gpu.usable_bytes // KIB),
                             num_gpus=c.num_gpus, n_phases=len(problem.job.phases()),
                             sync_keys=tuple((s, col) for s in sizes for col in (False, True)), schedule=problem.job.schedule)
@@ -447,19 +455,30 @@ class TableBuilder:
             raise AttributeError(name)
         return getattr(self.frame, name)
 
-    def group(self, u: int, size: int) -> tuple[Option, ...]:
-        """Unit ``u``'s options on ``size`` GPUs, priced now if they were not yet."""
-        opts = self.priced.get((u, size))
-        if opts is None:
-            f = self.frame
-            rows = _option_rows(self.problem, f.units[u], size, f.n_phases, f.sync_keys, self.est)
-            opts = self.priced[u, size] = tuple(Option(unit=u, size=size, **rows[i][1])
-                                                for i in _undominated([a for a, _ in rows]))
+    def group(self, u: int, size: int, keep=None, context=None) -> tuple[Option, ...]:
+        """Unit ``u``'s options on ``size`` GPUs, priced now if they were not yet. ``keep(cfg)`` (``price_groups``
+        with its ``context``): only the configs it keeps, the group *partial* (predicates by context): priced
+        again for the union in another context, in full without ``keep`` (greedy's fills, ``full``)."""
+        key = (u, size)
+        opts, part = self.priced.get(key), self.partial.get(key)
+        if opts is not None and (part is None or (keep is not None and context in part)):
+            return opts
+        if keep is not None:
+            part = {**(part or {}), context: keep}
+            fns = tuple(part.values())
+            keep = fns[0] if len(fns) == 1 else (lambda cfg: any(fn(cfg) for fn in fns))
+        f = self.frame  # (then every option of the configs priced, memory and dominance pruned)
+        rows = _option_rows(self.problem, f.units[u], size, f.n_phases, f.sync_keys, self.est, keep)
+        opts = self.priced[key] = tuple(Option(unit=u, size=size, **rows[i][1]) for i in _undominated([a for a, _ in rows]))
+        self.partial.pop(key, None)
+        if keep is not None:
+            self.partial[key] = part
         return opts
 
     def fastest(self, u: int, size: int) -> tuple[float, ...]:
         """Per phase, the least duration of unit ``u``'s options on ``size`` GPUs (inf: none), priced."""
-        opts = self.group(u, size)
+        opts = self.priced.get((u, size))
+        opts = self.group(u, size) if opts is None else opts
         return tuple(min((o.durations[ph] for o in opts), default=math.inf) for ph in range(self.frame.n_phases))
 
     def tables(self) -> Tables:

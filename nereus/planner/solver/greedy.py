@@ -104,27 +104,53 @@ def group_floor(b: TableBuilder, u: int, size: int) -> tuple[float, ...]:
     none), without pricing them: the least floor (``cost.floors``) over the group's configs, a
     training or inference unit's shapes (``candidates._shapes``; ZeRO and recomputation only add to
     it) or generation's layouts (any KV level up to the largest). A priced group's: its fastest."""
-    if (u, size) in b.priced:
-        return b.fastest(u, size)
+    if (u, size) in b.priced and ((u, size) not in b.partial or b.context in b.partial[u, size]):
+        return b.fastest(u, size)  # (a partial group priced for other contexts keeps its floor)
     if (u, size) not in b.floors:
         p, unit = b.problem, b.units[u]
         model, low = p.job.model(unit.stages[0].split("/")[0]), [math.inf] * b.n_phases
+        fns = _floor_fns(b, u)
         if unit.name == GEN:
-            fn = generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions))
+            fn = fns[0][0]
             cfgs = [b.est.config(tp, pp, size // (tp * pp), 1, 1, False, 1, 1, ep, 1) for tp, pp in layouts(p, unit, size)
                     for ep, _ in expert_layouts(model, tp, size // (tp * pp), "generation")]
             low = [0.0] * b.n_phases
             low[unit.phases[0]] = min((fn(c) for c in cfgs), default=math.inf)
         else:
-            fns = [(pass_floor(p.job, p.cluster, ms, model, p.workload, p.params), ph)
-                   for ms, ph in zip(unit.stages, unit.phases)]
+            config, shaped = b.est.config, False
+            alone = len({ph for _, ph in fns}) == len(fns)  # (each stage in a phase of its own: no sums)
             for tp, pp, dp, mb, sp, cp, ep, etp in _shapes(p, unit, size):
-                cfg, durs = b.est.config(tp, pp, dp, mb, 1, False, sp, cp, ep, etp), [0.0] * b.n_phases
+                cfg, shaped = config(tp, pp, dp, mb, 1, False, sp, cp, ep, etp), True
+                if alone:
+                    for fn, ph in fns:
+                        low[ph] = min(low[ph], fn(cfg))
+                    continue
+                durs = [0.0] * b.n_phases
                 for fn, ph in fns:
                     durs[ph] += fn(cfg)
-                low = [min(x, y) for x, y in zip(low, durs)]
+                low = [min(x, y) if ph in unit.phases else x for ph, (x, y) in enumerate(zip(low, durs))]
+            for ph in range(b.n_phases):
+                if ph not in unit.phases:
+                    low[ph] = 0.0 if shaped else math.inf
         b.floors[u, size] = tuple(low)
     return b.floors[u, size]
+
+
+def _floor_fns(b: TableBuilder, u: int, comm: bool = False) -> list[tuple]:
+    """(floor function, phase) of each of unit ``u``'s stages (``cost.floors``; ``comm``: the tighter
+    per-config ones), made once per builder."""
+    fns = b.floor_fns.get((u, comm))
+    if fns is None:
+        p, unit = b.problem, b.units[u]
+        model = p.job.model(unit.stages[0].split("/")[0])
+        if unit.name == GEN:
+            fns = [(generation_floor(p.job, p.cluster, model, p.workload, p.params, max(p.candidates.kv_fractions)),
+                    unit.phases[0])]
+        else:
+            fns = [(pass_floor(p.job, p.cluster, ms, model, p.workload, p.params, comm=comm), ph)
+                   for ms, ph in zip(unit.stages, unit.phases)]
+        b.floor_fns[u, comm] = fns
+    return fns
 
 
 def skeleton_bound(t: Tables | TableBuilder, sk: Skeleton, floors: bool = False) -> float:
@@ -177,9 +203,19 @@ def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give
     of pricing, with the live groups' floors: True stops there and returns None (``split.py``: the
     floors already bound the whole size above the incumbent); with it, the trainer's groups are priced
     one a round (the order changes only what ``give_up`` sees, not what is priced in the end)."""
+    context, outer = (upper, rollout), b.context
+    b.context = context  # (group_floor: a group priced partially here keeps its fastest in this context)
+    try:
+        return _price_groups(b, upper, rollout, give_up, context)
+    finally:
+        b.context = outer
+
+
+def _price_groups(b: TableBuilder, upper: float, rollout: int | None, give_up, context) -> Tables | None:
     g, tr = b.unit_index(GEN), b.unit_index(ACTOR)
     n, N, P = len(b.units), b.num_gpus, b.n_phases
     limit, dead = upper * (1 + BOUND_SLACK), set()
+    gpus = [N if rollout is None or ph == 0 else N - rollout for ph in range(P)]
     if rollout is not None:
         dead = {(u, s) for u in range(n) for s in b.sizes if (s != rollout if u == g else s > N - rollout)}
     while True:
@@ -191,22 +227,21 @@ def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give
         gen = [o for k in live if k[0] == g for o in b.priced.get(k, ())]
         all_gen = all(k in b.priced for k in live if k[0] == g)
         min_sync = min((min(o.sync) for o in gen), default=0.0) if all_gen else 0.0
+
+        terms = (area, fastest, gpus, gen, min_sync if all_gen else None)
+
+        def bound(u: int, s: int, terms=terms):
+            return _bound(b, u, s, *terms)
+
         died = False
         for u, s in live:
-            others, f = [v for v in range(n) if v != u], low[u, s]
-            lbs = []
-            for ph in range(P):
-                gpus = N if rollout is None or ph == 0 else N - rollout
-                col = max(f[ph], (f[ph] * s + sum(area[ph][v] for v in others)) / gpus)
-                lbs.append(max(col, max(fastest[ph][v] for v in others)) if others else col)
-            sync = min_sync if u != tr or not all_gen else min(
-                (b.sync_s(o, s, col) for o in gen for col in (False, True)), default=0.0)
-            if math.inf in f or _step(b, lbs, sync) > limit:
+            f = low[u, s]
+            if math.inf in f or bound(u, s)(f) > limit:
                 dead.add((u, s))
                 died = True
         if died:
             continue
-        todo = [k for k in live if k not in b.priced]
+        todo = [k for k in live if k not in b.priced or (k in b.partial and context not in b.partial[k])]
         todo = [k for k in todo if k[0] == g] or todo
         if not todo:
             return b.tables()
@@ -218,7 +253,59 @@ def price_groups(b: TableBuilder, upper: float, rollout: int | None = None, give
             todo = [min((k for k in todo if k[0] == tr), key=lambda k: (min(
                 (b.sync_s(o, k[1], False) for o in gen), default=0.0), k[1]))]
         for k in todo:
-            b.group(*k)
+            if k[0] == g:
+                b.group(*k)
+            else:  # only the configs whose own floors the bound does not already put above ``upper``
+                b.group(*k, keep=_keeper(b, k[0], bound(*k), limit), context=context)
+
+
+def _bound(b: TableBuilder, u: int, s: int, area, fastest, gpus, gen, min_sync):
+    """``_step`` of a unit-``u`` option on ``s`` GPUs as a function of its per-phase durations, against
+    the other units' least durations (``fastest``) and GPU-seconds (``area``) over their live groups
+    and the weight sync (``min_sync``: None while a generation group is not priced yet): the bound of
+    ``_prune_pass``, at most the one tightening computes for every option it keeps."""
+    n, P, tr = len(b.units), b.n_phases, b.unit_index(ACTOR)
+    others = [v for v in range(n) if v != u]
+    spread = [sum(area[ph][v] for v in others) for ph in range(P)]
+    most = [max(fastest[ph][v] for v in others) if others else 0.0 for ph in range(P)]
+    if min_sync is None:
+        sync = 0.0
+    elif u == tr:
+        sync = min((b.sync_s(o, s, col) for o in gen for col in (False, True)), default=0.0)
+    else:
+        sync = min_sync
+
+    def step(durations) -> float:
+        lbs = []
+        for ph in range(P):
+            col = max(durations[ph], (durations[ph] * s + spread[ph]) / gpus[ph])
+            lbs.append(max(col, most[ph]) if others else col)
+        return _step(b, lbs, sync)
+    return step
+
+
+def _keeper(b: TableBuilder, u: int, step, limit: float):
+    """``keep(cfg)`` for ``TableBuilder.group``: False when ``step`` of the config's own floors
+    (``pass_floor(..., comm=True)``, at most each of its stages' priced time, whatever its offload) is
+    above ``limit``: every option of it then fails ``_prune_pass`` in every round of ``tighten``. Each
+    shape is first tested at ZeRO-1 without recomputation, whose floors are at most those of its other
+    configs: a shape that fails there fails everywhere."""
+    fns, n_phases, config = _floor_fns(b, u, comm=True), b.n_phases, b.est.config
+    shapes: dict[tuple, bool] = {}
+
+    def passes(cfg) -> bool:
+        durs = [0.0] * n_phases
+        for fn, ph in fns:
+            durs[ph] += fn(cfg)
+        return step(durs) <= limit
+
+    def keep(cfg) -> bool:
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.sp, cfg.cp, cfg.ep, cfg.etp)
+        ok = shapes.get(key)
+        if ok is None:
+            ok = shapes[key] = passes(config(*key[:4], 1, False, *key[4:]))
+        return ok and (cfg.zero < 3 and not cfg.recompute or passes(cfg))
+    return keep
 
 
 def _fill(t: Tables, sk: Skeleton, max_rounds: int = 50) -> tuple[float, Assignment] | None:
@@ -315,7 +402,7 @@ def _skipped_on_floors(b: TableBuilder, sk: Skeleton, best: float, ties: bool = 
     g = b.unit_index(GEN)
     for u in [g] + [v for v in range(len(b.units)) if v != g]:
         key = (u, sk.slot_size[sk.unit_slot[u]])
-        if key in b.priced:
+        if key in b.priced and key not in b.partial:
             continue
         b.group(*key)
         if beaten():
