@@ -26,7 +26,7 @@ from nereus.planner.solver.candidates import (
     _resident,
     _shapes,
 )
-from nereus.planner.solver.greedy import greedy, price_groups
+from nereus.planner.solver.greedy import greedy, price_groups, tighten
 
 MEMORY_CASES = (*FLOOR_CASES, "ppo-70b@64:fully_async", "ppo-70b@256")
 
@@ -131,3 +131,29 @@ def test_the_floors_are_tight_enough_to_matter():
     price_groups(b, h[0], rollout=256)
     assert b.priced[u, 256] == () and (u, 256) in b.partial
     assert b.group(u, 256) and (u, 256) not in b.partial  # asked in full, it is priced in full
+
+
+@pytest.mark.parametrize("name", ("ppo-8b@64:one_step_off", "ppo-8b@64:fully_async", "ppo-70b@64:fully_async"))
+def test_groups_priced_for_one_rollout_size_leave_the_others_exact(name):
+    """A group ``price_groups`` priced for one rollout size holds only what that size can keep; priced
+    for every size in turn, on one builder (either order), each size's tightened tables are still the
+    full tables' (``split.solve_split_lazy`` asks the sizes one after another)."""
+    from nereus.planner.solver.split import tables_for
+
+    p = _variant(name)
+    candidates._build_tables_cached.cache_clear()
+    full = candidates.build_tables(p)
+    h = greedy(p, full)[0]
+    g, N = full.unit_index(GEN), full.num_gpus
+    sizes = sorted({o.size for o in full.options[g] if o.size < N})
+    for order in (sizes, sizes[::-1]):
+        b = TableBuilder(p)
+        greedy(p, b)
+        for r in order:
+            price_groups(b, h, rollout=r)
+            got = tighten(tables_for(b.tables(), r), h, rest=N - r).options
+            want = tighten(tables_for(full, r), h, rest=N - r).options
+            if any(not o for o in want):  # nothing at this size can reach h (tightening stops there)
+                assert any(not o for o in got), (order, r)
+            else:
+                assert got == want, (order, r)
