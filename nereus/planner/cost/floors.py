@@ -7,6 +7,10 @@ compute at the pass's own GEMM efficiency, and the log-prob pass over the vocabu
 the ZeRO stage, and recomputation only adds to them (8N instead of 6N, 4/3 of the attention), so the
 floor of a config with ``recompute=False`` bounds every ZeRO stage and both recompute settings of it. ``FLOOR_MARGIN`` covers the float rounding of the sums.
 ``tests/unit/test_solver_bounds.py`` checks floor <= priced time for every option of the example jobs.
+Per config, within a group: ``pass_floor(..., comm=True)`` (the config's own ZeRO stage and
+recomputation, with the bubble and collectives on top) and ``memory_floor`` (its bytes per GPU), with
+which the tables leave unpriced the configs that cannot matter or cannot fit
+(``tests/unit/test_solver_memfloor.py``).
 
 Worked example (Llama-3.1-8B PPO, 256 H100s, actor training at tp 2, micro-batch 2, no recompute):
 compute 1.331 s + log-prob 0.019 s = a floor of 1.350 s, where the cost model prices 1.858 s (its
