@@ -467,8 +467,7 @@ class TableBuilder:
             part = {**(part or {}), context: keep}
             fns = tuple(part.values())
             keep = fns[0] if len(fns) == 1 else (lambda cfg: any(fn(cfg) for fn in fns))
-        f = self.frame  # (then every option of the configs priced, memory and dominance pruned)
-        rows = _option_rows(self.problem, f.units[u], size, f.n_phases, f.sync_keys, self.est, keep)
+        rows = _option_rows(self.problem, self.frame.units[u], size, self.n_phases, self.sync_keys, self.est, keep)
         opts = self.priced[key] = tuple(Option(unit=u, size=size, **rows[i][1]) for i in _undominated([a for a, _ in rows]))
         self.partial.pop(key, None)
         if keep is not None:
