@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
-from nereus.fidelity.catalog import moe_preset, resolve_model
+from nereus.fidelity.catalog import moe_preset
 from nereus.fidelity.corpus import Row
 from nereus.fidelity.rl_rows import controller_width, rl_job, stage_settings
 from nereus.fidelity.rows import Unsupported, _int, _model
@@ -98,8 +98,12 @@ def async_plan(row: Row, gpu: GPUSpec, p: CostParams) -> AsyncTimes:
 def _weight_sync(row: Row, gpu: GPUSpec, p: CostParams) -> float:
     """One cross-pool sync of the row's actor. A mixture-of-experts model is priced from its preset
     (every expert's bytes move; the byte-and-latency formula knows nothing of per-tensor calls)."""
-    moe = moe_preset(row.model) if resolve_model(row.model)[0] is None else None
-    model, gpu = (moe, gpu) if moe is not None else _model(row, gpu)
+    try:
+        model, gpu = _model(row, gpu)
+    except Unsupported:
+        model = moe_preset(row.model)
+        if model is None:
+            raise
     R, T = _int(row, "rollout_gpus"), _int(row, "train_gpus")
     tp, rtp = _int(row, "tp", 1), _int(row, "rollout_tp", 1)
     cluster = ClusterSpec(gpu=gpu, nodes=max(1, math.ceil((R + T) / 8)), gpus_per_node=min(8, R + T))

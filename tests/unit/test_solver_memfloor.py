@@ -157,3 +157,28 @@ def test_groups_priced_for_one_rollout_size_leave_the_others_exact(name):
                 assert any(not o for o in got), (order, r)
             else:
                 assert got == want, (order, r)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_floors_micro_batches_equal_the_cost_models(seed):
+    """``floors.micro_batches`` repeats ``passes._micro_batches``'s arithmetic with the per-config
+    part split off: the same (count, tokens, longest) on every shape of random jobs, padded or not."""
+    from dataclasses import replace
+
+    from nereus.planner.cost.floors import micro_batches
+    from nereus.planner.cost.passes import _micro_batches
+
+    p = _random_problem(random.Random(3000 + seed))
+    if p is None:
+        pytest.skip("the draw is not a valid job")
+    checked = 0
+    for padded in (False, True):
+        for per_step in (1, p.job.batch.mini_batches):
+            fn = micro_batches(p.workload, per_step, padded)
+            for dp in (1, 2, 8):
+                for tb in (0, 4096):
+                    for mb in (1, 3):
+                        cfg = replace(candidates.ParallelConfig(tp=1, pp=1, dp=dp, micro_batch=mb), token_budget=tb)
+                        assert fn(cfg) == _micro_batches(p.workload, cfg, per_step, padded, 0), (padded, cfg)
+                        checked += 1
+    assert checked == 48
