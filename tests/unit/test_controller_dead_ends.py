@@ -275,3 +275,33 @@ def test_the_frugal_fallback_holds_only_knobs_the_solver_was_allowed(env):
         seen.append(d)
     assert "nothing is predicted to fit" in d.reason, d.reason
     assert all(_within(x.plan, allowed) for x in seen), [(x.action, x.reason) for x in seen]
+
+
+def test_the_plan_that_ran_on_a_gpu_count_is_back_in_the_library_when_that_count_returns(env):
+    """The job loses half its GPUs and gets them back (SIMULATED dip trace of issue 29). Before, the
+    plan that ran on 32 GPUs had been evicted from the library while the job ran on 16, so when the
+    32 came back it was not a candidate (every plan left could be condemned by shared reserves). Now
+    the last plan that ran cleanly on 32 GPUs is back as ``ran-here`` and judged by its own
+    measurement; a plan that ran out of memory there is not brought back."""
+    ctl = _ctl(env, _const(5.0), initial_gpus=None, library_size=2)
+    d = ctl.step(_ran(env, ctl, 0))
+    ran32 = ctl.plan
+    assert ran32.num_gpus == 32 and ctl._ran_at[32] is ran32
+    for s in range(1, 6):  # 16 GPUs: a must-switch, then steps there fill the small library
+        m = _metrics(env, s, ctl.plan, gpus=16)
+        d = ctl.step(StepMetrics(step=s, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                                 stage_times=m.stage_times if ctl.plan.num_gpus <= 16 else {}, gpus_available=16))
+    assert ctl.plan.num_gpus <= 16, d.reason
+    ctl._library.pop(ran32.key(), None)  # evicted (a library of 2 plans)
+    m = _metrics(env, 6, ctl.plan, gpus=32)
+    ctl.step(StepMetrics(step=6, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                         stage_times=m.stage_times, gpus_available=32))
+    assert ctl._library.get(ran32.key(), (None, ""))[1] == "ran-here"
+    assert ctl.memory.judge(ran32.key(), [s.name for s in ran32.stages]) == (ctl.memory.measured[ran32.key()], {})
+    # a plan that ran out of memory on 32 GPUs is not remembered as one that ran there
+    ctl2 = _ctl(env, _const(5.0), initial_gpus=None)
+    ctl2.step(_ran(env, ctl2, 0))
+    m = _metrics(env, 1, ctl2.plan)
+    ctl2.step(StepMetrics(step=1, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                          gpus_available=32, oom=True, oom_stage="actor/training"))
+    assert 32 not in ctl2._ran_at or ctl2._ran_at[32].key() != ran32.key()

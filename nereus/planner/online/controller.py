@@ -146,6 +146,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._keys: dict[int, tuple] = {}
         self._ran_ok: dict[tuple, tuple[int, float]] = {}
         """Per plan run without OOM: (cap, largest mean response length) it ran at."""
+        self._ran_at: dict[int, Plan] = {}
+        """Per GPU count, the last plan that ran a step there without OOM (back in the library when
+        the job is granted that many GPUs again: ``CandidateLibrary._add_ran_here``)."""
         self._h = 1
         self._ws0, self._ws, self._offsets_now = self._base_w, [], ()
         """The forecast workloads of the last step and their offsets (the noise band reads them)."""
@@ -272,6 +275,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred),
                             configs=self._configs(self.plan))
             self._ran_ok.pop(key, None)  # the evidence that it runs at this workload is void
+            if (p := self._ran_at.get(self.plan.num_gpus)) is not None and p.key() == key:
+                del self._ran_at[self.plan.num_gpus]
         else:
             peaks = {ms: v for ms, v in pred.peak_mem_gib.items() if not ms.endswith("/generation")}
             self.memory.ran(key, peaks, None if m.peak_mem_gib is None else float(m.peak_mem_gib),
@@ -281,6 +286,7 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             if cap_mean is None or cap_mean[0] != self._cap:
                 cap_mean = (self._cap, 0.0)
             self._ran_ok[key] = (self._cap, max(cap_mean[1], float(m.response_len_mean)))
+            self._ran_at[self.plan.num_gpus] = self.plan
         if not m.stage_times or m.oom:
             return
         self._on_plan += 1
