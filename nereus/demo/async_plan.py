@@ -121,7 +121,7 @@ def make_async_controller(job, cluster, params, plan: Plan, cfg: DemoConfig):
     ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25,
                      audit_path=audit_path(cfg, "one_step_off"), initial_plan=plan, total_steps=cfg.steps,
                      rule=LayoutRule(name="one_step_off"), plans=plan_cache(job, cluster, recompute=cfg.recompute),
-                     build_transition=False, patience=1, min_dwell=2, forecast_window=8)
+                     build_transition=False, patience=1, min_dwell=2, forecast_window=8, engine_restart_s=0.0)
     return DemoController(ctl)
 
 

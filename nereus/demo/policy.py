@@ -153,7 +153,7 @@ def make_demo_controller(policy: str, job, cluster, params, plan: Plan, cfg: Dem
     rule = COLOCATED if policy == "adaptive" else replace(static_rule(plan), placement="colocated")
     ctl = Controller(job, cluster, params=params, horizon=cfg.steps, margin=0.25, audit_path=audit_path(cfg, policy),
                      initial_plan=plan, total_steps=cfg.steps, rule=rule, plans=plan_cache(job, cluster, policy, cfg.recompute),
-                     build_transition=False, patience=1, min_dwell=2, forecast_window=8)
+                     build_transition=False, patience=1, min_dwell=2, forecast_window=8, engine_restart_s=0.0)
     return DemoController(ctl, fixed=plan if policy in FIXED_POLICIES else None)
 
 

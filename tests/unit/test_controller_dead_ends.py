@@ -305,3 +305,28 @@ def test_the_plan_that_ran_on_a_gpu_count_is_back_in_the_library_when_that_count
     ctl2.step(StepMetrics(step=1, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
                           gpus_available=32, oom=True, oom_stage="actor/training"))
     assert 32 not in ctl2._ran_at or ctl2._ran_at[32].key() != ran32.key()
+
+
+def test_a_switch_that_changes_the_inference_engine_is_priced_with_a_new_engine_start(env):
+    """The SIMULATED dip trace's flapping (issue 29): the transition planner prices moving state only,
+    so a switch of generation TP looked like 1-3 s where the job pays a new inference engine (tens
+    of seconds). Now a switch that changes generation's layout adds ``engine_restart_s`` (default:
+    the published engine start of ``RestartCost``), a knob-only switch does not, a caller's
+    ``transition_cost_fn`` is taken as the whole price, and 0 turns it off (the demo)."""
+    from nereus.planner.online.library import engine_changes, gen_tp_variants
+    from nereus.planner.online.restart import RestartCost
+
+    ctl = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False)
+    a = ctl.plan
+    b = gen_tp_variants(a, env.job.model("actor"), env.cluster.gpus_per_node)[0]
+    knob = frugal_variants(a, env.job, env.cluster.gpus_per_node)[0]
+    assert engine_changes(a, b) and not engine_changes(a, knob)
+    assert ctl.engine_restart_s == RestartCost().engine_start_s > 0
+    bound = env.plans.transition_cost(a, b)
+    assert math.isclose(ctl.transition_cost(a, b), bound + ctl.engine_restart_s)
+    assert math.isclose(ctl.transition_cost(a, knob), env.plans.transition_cost(a, knob))
+    off = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False, engine_restart_s=0.0)
+    assert math.isclose(off.transition_cost(a, b), bound)
+    given = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False,
+                       transition_cost_fn=_const(5.0))
+    assert given.transition_cost(a, b) == 5.0

@@ -28,7 +28,10 @@ def _flat(steps: int = 30, noise: float = 0.05, seed: int = 0, **kw) -> tuple[Co
     r = random.Random(seed)
     cap = JOB.sequence.response_len_max
     w = JOB.workload().with_lengths(mean=1024.0, max_=cap)
-    ctl = Controller(JOB, CLUSTER, horizon=30, build_transition=False, total_steps=steps, initial_workload=w, **kw)
+    # engine_restart_s=0: switching rollout pools costs only moving state here, so nothing but the
+    # hysteresis stands between the controller and the noise (the engine start would bind first)
+    ctl = Controller(JOB, CLUSTER, horizon=30, build_transition=False, total_steps=steps, initial_workload=w,
+                     engine_restart_s=0.0, **kw)
     switched = []
     for step in range(steps):
         times = evaluate_times(JOB, CLUSTER, ctl.plan, w, ctl.base_params).stage_s

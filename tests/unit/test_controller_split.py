@@ -24,7 +24,10 @@ def _run(means, noise: float = 0.0, seed: int = 0) -> tuple[list[int], int]:
     r = random.Random(seed)
     cap = max(int(max(means) * 1.5), JOB.sequence.response_len_max)
     w0 = JOB.workload().with_lengths(mean=means[0], max_=cap)
-    ctl = Controller(JOB, CLUSTER, horizon=30, build_transition=False, total_steps=len(means), initial_workload=w0)
+    # engine_restart_s=0: steps of a few seconds here would never repay a 48 s engine start over the
+    # 30-step horizon; this tests the re-split logic (test_controller_dead_ends tests the engine term)
+    ctl = Controller(JOB, CLUSTER, horizon=30, build_transition=False, total_steps=len(means), initial_workload=w0,
+                     engine_restart_s=0.0)
     splits, switches = [ctl.plan.stage("actor/generation").gpus], 0
     for step, mean in enumerate(means):
         times = evaluate_times(JOB, CLUSTER, ctl.plan, w0.with_lengths(mean=mean, max_=cap), ctl.base_params).stage_s

@@ -61,6 +61,7 @@ from nereus.planner.online.forecast import LengthForecaster
 from nereus.planner.online.library import (
     Candidate,
     CandidateLibrary,
+    engine_changes,
     features,
     gen_tp_variants,
     layout,
@@ -94,12 +95,21 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
                  max_probes: int = 2, probe_threshold: float = 0.10, probe_window: float = 0.10,
                  probe_kappa: float = 1.0, cost_queries: int = 3, transition_mode: str = "live",
                  framework: str | None = None, emitter: Emitter | None = None,
-                 restart_cost: RestartCost | None = None, confidence: float = 3.0) -> None:
+                 restart_cost: RestartCost | None = None, confidence: float = 3.0,
+                 engine_restart_s: float | None = None) -> None:
         if mode not in MODES:
             raise NereusError(f"controller: mode must be one of {MODES}, got {mode!r}")
         self._init_restart_mode(transition_mode, framework, emitter, restart_cost)
         build_transition = build_transition and transition_mode == "live"  # restart mode relaunches, no graph
         self.job, self.cluster = job, cluster
+        self.engine_restart_s = float(self.restart_cost.engine_start_s if engine_restart_s is None else engine_restart_s)
+        """Seconds a live switch adds when it changes the inference engine's layout (its pool, TP, PP
+        or DP): a new engine starts (weights loaded, allocator, CUDA graphs), on top of the transition
+        planner's bound (which prices moving state only). Default: the restart
+        cost's published ``engine_start_s``; 0 where generation runs in the training processes and
+        the transition itself rebuilds it (the demo)."""
+        if not (self.engine_restart_s >= 0 and math.isfinite(self.engine_restart_s)):
+            raise NereusError(f"controller: engine_restart_s must be >= 0 seconds, got {engine_restart_s}")
         self.base_params = params or CostParams()
         self.horizon, self.margin, self.mode = int(horizon), float(margin), mode
         self.total_steps, self.patience, self.min_dwell = total_steps, int(patience), int(min_dwell)
@@ -348,8 +358,10 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         c.horizon_s = trapezoid(times, offsets)
 
     def transition_cost(self, a: Plan, b: Plan) -> float:
-        """Predicted seconds of a -> b (transition planner's estimate x learned correction; in restart
-        mode the checkpoint-and-relaunch estimate x the same correction, see ``restart_cost_s``)."""
+        """Predicted seconds of a -> b (transition planner's estimate, plus ``engine_restart_s`` where
+        the inference engine's layout changes, x learned correction; ``transition_cost_fn``, where
+        given, prices the whole switch; in restart mode the checkpoint-and-relaunch estimate x the
+        same correction, see ``restart_cost_s``)."""
         if self.transition_mode == "restart":
             return self.restart_cost_s(a, b)
         if a.layout_key() == b.layout_key():
@@ -357,8 +369,11 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         key = (a.layout_key(), b.layout_key())
         c = self._cost.get(key)
         if c is None:
-            c = self._cost[key] = float(self._transition_cost_fn(a, b) if self._transition_cost_fn is not None
-                                        else self.plans.transition_cost(a, b))
+            if self._transition_cost_fn is not None:  # the caller's price of the whole switch
+                c = float(self._transition_cost_fn(a, b))
+            else:  # the transition planner's bound on moving state, and a new engine where one starts
+                c = float(self.plans.transition_cost(a, b)) + (self.engine_restart_s if engine_changes(a, b) else 0.0)
+            self._cost[key] = c
         return self.calibration.predict_transition(c)
 
     def _log(self, m: StepMetrics, ws: list[Workload], cur: Candidate, cands: list[Candidate], d: Decision) -> None:

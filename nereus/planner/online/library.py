@@ -81,6 +81,14 @@ def gen_tp_variants(plan: Plan, model: ModelSpec, gpus_per_node: int, tps: tuple
     return out
 
 
+def engine_changes(a: Plan, b: Plan) -> bool:
+    """Whether a switch a -> b changes the inference engine's layout (pool, TP, PP or DP of
+    generation), so that a new engine must start."""
+    ga, gb = a.stage("actor/generation"), b.stage("actor/generation")
+    return (ga.first_gpu, ga.gpus, ga.config.tp, ga.config.pp, ga.config.dp) != \
+        (gb.first_gpu, gb.gpus, gb.config.tp, gb.config.pp, gb.config.dp)
+
+
 def gen_tp(plan: Plan) -> int:
     return plan.stage("actor/generation").config.tp
 
@@ -176,19 +184,38 @@ class CandidateLibrary:
                         self._add(q, "gen-tp")
         return p
 
-    def _add_rescaled(self) -> None:
+    def _add_rescaled(self, w: Workload) -> None:
         """The current plan on all the GPUs granted: its layout and knobs, DP scaled (``scale_plan``),
         as static does. Not left to the solver (which plans with the shared memory reserves and may
-        find nothing): per GPU it holds no more than the current plan, so the current plan's own
-        measurement judges it (``MemoryReserves.inherit``), and where the current plan ran at the
-        cap so did it (``_ran_ok``). Without it, SIMULATED grpo-70b ramp_1024: a plan that ran under a
-        common reserve of 36-38 GiB (held up by its own measured underestimates) stayed on 128 of 256
-        GPUs for 250 steps, as the solver, asked with that reserve, found nothing for 256."""
+        find nothing). On more GPUs it holds no more per GPU than the current plan, so the current
+        plan's own measurement judges it (``MemoryReserves.inherit``), and where the current plan ran
+        at the cap so did it (``_ran_ok``). Without it, SIMULATED grpo-70b ramp_1024: a plan that ran
+        under a common reserve of 36-38 GiB (held up by its own measured underestimates) stayed on
+        128 of 256 GPUs for 250 steps, as the solver, asked with that reserve, found nothing for 256.
+
+        On fewer GPUs (a must-switch) it holds more per GPU (larger ZeRO shards; micro-batches are
+        unchanged), and its underestimate is taken as the current plan's scaled by the ratio of the
+        two predicted peaks (``inherit(scale=...)``: the model's memory error is a share of the
+        peak, not a constant; with the cost model's peaks one GiB or more above the parent's this is
+        the larger of the two readings). It has not run at the cap. Without it, SIMULATED ppo-8b on
+        128 H100s losing 32 GPUs (``benchmarks/simulate_flat_and_dip.py``): every plan for 96 GPUs was
+        held out by reserves that OOMs on 128 had raised, and adaptive ran its most frugal fallback
+        there, 7-8% slower per step than static's rescaled plan."""
         p = scale_plan(self.plan, self.gpus)
         if p is None or p.key() == self.plan.key():
             return
-        if self.memory.inherit(p.key(), self.plan.key()) and (ev := self._ran_ok.get(self.plan.key())) is not None:
-            self._ran_ok.setdefault(p.key(), ev)
+        if p.num_gpus > self.plan.num_gpus:
+            if self.memory.inherit(p.key(), self.plan.key()) and (ev := self._ran_ok.get(self.plan.key())) is not None:
+                self._ran_ok.setdefault(p.key(), ev)
+        else:
+            try:
+                parent, child = (max(v for ms, v in self._times(q, w).peak_mem_gib.items() if ms != "actor/generation")
+                                 for q in (self.plan, p))
+            except (NereusError, ValueError):
+                return
+            if parent <= 0 or not math.isfinite(child):
+                return
+            self.memory.inherit(p.key(), self.plan.key(), scale=max(1.0, child / parent))
         if p.key() not in self._library:
             self._add(p, "rescaled")
 
@@ -251,8 +278,8 @@ class CandidateLibrary:
             if self.plan.num_gpus < self.gpus or (must and self.plan.num_gpus <= self.gpus):
                 # the current layout stretched to new GPUs, or re-tuned to fit: cheapest to reach
                 self._ask("keep-layout", keep_layout(self.plan, self.rule), ws[len(ws) // 2])
-        if self.plan.num_gpus < self.gpus:
-            self._add_rescaled()
+        if self.plan.num_gpus != self.gpus:
+            self._add_rescaled(ws[0])
         self._add_ran_here()
         cur = self.plan.key()
         cur_s = self._cur_horizon_s

@@ -163,14 +163,15 @@ class MemoryReserves:
             if r is not None:
                 r.decay_toward(ceiling - p - self.common_gib, self.quantum, self.decay)
 
-    def inherit(self, child: tuple, parent: tuple) -> bool:
-        """Plan ``child`` holds per GPU no more than plan ``parent`` (the same layout and knobs, DP
-        scaled up: ZeRO shards and per-rank batches only shrink): it is judged by ``parent``'s own
-        measured underestimate, as long as ``parent`` never ran out of memory. Returns whether it was."""
+    def inherit(self, child: tuple, parent: tuple, scale: float = 1.0) -> bool:
+        """Plan ``child`` has ``parent``'s layout and knobs with DP scaled: it is judged by
+        ``parent``'s own measured underestimate times ``scale`` (1 where DP grows: ZeRO shards and
+        per-rank batches only shrink; the ratio of predicted peaks where it shrinks), as long as
+        neither ran out of memory. Returns whether it was."""
         own = self.measured.get(parent)
         if own is None or parent in self.struck or child in self.struck:
             return False
-        self.measured[child] = max(self.measured.get(child, 0.0), own)
+        self.measured[child] = max(self.measured.get(child, 0.0), self._up(own * scale))
         return True
 
     def hungrier(self, key: tuple, peaks: Mapping[str, float]) -> bool:
