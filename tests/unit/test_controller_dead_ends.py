@@ -330,3 +330,28 @@ def test_a_switch_that_changes_the_inference_engine_is_priced_with_a_new_engine_
     given = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False,
                        transition_cost_fn=_const(5.0))
     assert given.transition_cost(a, b) == 5.0
+
+
+def test_on_fewer_gpus_the_current_plan_rescaled_is_judged_by_its_underestimate_scaled_by_the_peaks(env):
+    """The job loses half its GPUs (SIMULATED dip trace of issue 29): the current plan with DP halved
+    is a candidate ("rescaled"), judged by the current plan's measured underestimate times the ratio
+    of the two predicted peaks (more per GPU on fewer GPUs), not by the shared reserves. Unit part:
+    ``inherit(scale=...)`` rounds the scaled underestimate up to the quantum."""
+    r = MemoryReserves(usable_gib=78.0, quantum_gib=1.0)
+    r.ran(("p",), {"actor/training": 40.0}, 70.0)  # 30 GiB measured underestimate
+    assert r.inherit(("c",), ("p",), scale=1.25) and r.measured[("c",)] == 38.0  # 37.5 rounded up
+    ctl = _ctl(env, _const(5.0), initial_gpus=None)
+    ctl.step(_ran(env, ctl, 0, over_gib=3.0))
+    parent = ctl.plan
+    half = scale_plan(parent, 16)
+    assert half is not None
+    m = _metrics(env, 1, parent, gpus=16)
+    ctl.step(StepMetrics(step=1, response_len_mean=m.response_len_mean, response_len_max=m.response_len_max,
+                         stage_times=m.stage_times, gpus_available=16))
+    assert ctl._library.get(half.key(), (None, ""))[1] == "rescaled"
+    w = ctl._ws0
+    peaks = [max(v for ms, v in ctl._times(q, w).peak_mem_gib.items() if ms != "actor/generation")
+             for q in (parent, half)]
+    assert peaks[1] > peaks[0]
+    own = ctl.memory.measured[parent.key()]
+    assert ctl.memory.measured[half.key()] == ctl.memory._up(own * peaks[1] / peaks[0]) > own

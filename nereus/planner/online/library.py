@@ -195,9 +195,9 @@ class CandidateLibrary:
 
         On fewer GPUs (a must-switch) it holds more per GPU (larger ZeRO shards; micro-batches are
         unchanged), and its underestimate is taken as the current plan's scaled by the ratio of the
-        two predicted peaks (``inherit(scale=...)``: the model's memory error is a share of the
-        peak, not a constant; with the cost model's peaks one GiB or more above the parent's this is
-        the larger of the two readings). It has not run at the cap. Without it, SIMULATED ppo-8b on
+        two predicted peaks (``inherit(scale=...)``: the model's memory error taken as a share of
+        the peak, not a constant, which is the more cautious reading when the child's peak is the
+        larger). It has not run at the cap. Without it, SIMULATED ppo-8b on
         128 H100s losing 32 GPUs (``benchmarks/simulate_flat_and_dip.py``): every plan for 96 GPUs was
         held out by reserves that OOMs on 128 had raised, and adaptive ran its most frugal fallback
         there, 7-8% slower per step than static's rescaled plan."""
