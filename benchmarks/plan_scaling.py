@@ -31,6 +31,7 @@ from nereus.planner.solver import PlanProblem, solve  # noqa: E402
 from nereus.planner.solver import candidates  # noqa: E402
 from nereus.planner.solver.candidates import _build_tables_cached  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
+from benchmarks.machine_info import machine_info  # noqa: E402
 
 JOBS = {"llama-3.1-8b": ROOT / "examples/ppo-8b.yaml", "llama-3.1-70b": ROOT / "examples/ppo-70b.yaml"}
 MOE_JOBS = {"qwen3-30b-a3b": ROOT / "examples/grpo-qwen3-30b-a3b.yaml"}
@@ -130,7 +131,7 @@ def main() -> int:
         print(f"cpsat over {sp['seeds']} seeds, {sp['model']} on {sp['gpus']} GPUs: {sp['min_s']:.2f} / "
               f"{sp['median_s']:.2f} / {sp['max_s']:.2f} s (min / median / max)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"imports_s": imports_s, "seed_spread": spread, "rows": [
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "imports_s": imports_s, "seed_spread": spread, "rows": [
             {k: r[k] for k in ("model", "gpus", "backend", "status", "solve_s", "cpu_s", "gap", "step_time_s", "seed")}
             for r in rows]}, indent=2))
     return 0

@@ -22,6 +22,7 @@ from benchmarks.plan_scaling import JOBS, _cpu, cold_start, import_solvers  # no
 from nereus.planner.schedules import ScheduleSpec  # noqa: E402
 from nereus.planner.solver import PlanProblem, solve  # noqa: E402
 from nereus.planner.specs import load_cluster, load_job  # noqa: E402
+from benchmarks.machine_info import machine_info  # noqa: E402
 
 SCHEDULES = {"sync": ScheduleSpec(), "one_step_off": ScheduleSpec(kind="one_step_off"),
              "fully_async": ScheduleSpec(kind="fully_async", staleness=2, sync_every=2),
@@ -70,7 +71,7 @@ def main() -> int:
                   str(r["rollout_gpus"] or "-"))
     Console(width=160).print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"imports_s": imports_s, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "imports_s": imports_s, "rows": rows}, indent=1))
     return 0
 
 

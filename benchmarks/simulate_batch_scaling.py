@@ -45,6 +45,7 @@ from nereus.simulator.simulate import simulate  # noqa: E402
 from nereus.simulator.trace import as_logged, load_trace  # noqa: E402
 from nereus.simulator.truth import machine  # noqa: E402
 from nereus.simulator.truth.machine import GroundTruth  # noqa: E402
+from benchmarks.machine_info import machine_info  # noqa: E402
 
 SHAPES = {1024: (256, 4), 8192: (512, 16), 32768: (2048, 16)}
 """Responses per step -> (prompts, samples per prompt): the shipped job's, DAPO's, and 4x DAPO's."""
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
             print(f"  {r['responses_per_step'] / base['responses_per_step']:4.0f}x the responses: "
                   f"{r['wall_s'] / base['wall_s']:.2f}x the wall time")
     if args.json:
-        out = {"label": "SIMULATED results; timing measured", "goal": "8,192 responses/step, 1,000 steps to 1,024 "
+        out = {"machine": machine_info(), "label": "SIMULATED results; timing measured", "goal": "8,192 responses/step, 1,000 steps to 1,024 "
                "GPUs, every policy: <= 60 s wall on the 2-core machine", "workers": args.workers, "runs": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
