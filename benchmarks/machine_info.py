@@ -20,7 +20,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False,
                                 timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
