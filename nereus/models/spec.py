@@ -231,6 +231,26 @@ class ModelSpec:
         """As ``layer_params`` with only the ``experts_per_token`` routed experts a token runs through."""
         return self._block(self.experts_per_token, layer)
 
+    def weight_tensors(self) -> int:
+        """Named tensors of the model's Hugging Face checkpoint: what a per-tensor weight sync sends
+        one call at a time (the trainer converts its shards to these names, the engine loads them).
+
+        Per block: attention q, k, v, o (MLA: q_proj, or q_a_proj + q_a_layernorm + q_b_proj;
+        kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj), q/k/v biases (Qwen2.5), q/k norms
+        (Qwen3), two RMSNorms; the MLP's gate, up and down, or in an MoE block 3 per routed expert,
+        the router (and its score bias), the shared expert's 3 (and its gate). Plus the embedding,
+        the final norm and an untied LM head. Qwen3-30B-A3B: 48 * (4 + 2 + 2 + 128 * 3 + 1) + 3 =
+        18,867 tensors, 98% of them expert matrices; Qwen2.5-7B: 28 * (4 + 3 + 2 + 3) + 3 = 339."""
+        if self.is_mla:
+            attn = (3 if self.q_lora_rank else 1) + 3 + 1
+        else:
+            attn = 4 + (3 if self.qkv_bias else 0) + (2 if self.qk_norm else 0)
+        moe = (3 * self.experts + 1 + (1 if self.router_score_bias else 0)
+               + (3 if self.shared_expert_ffn else 0) + (1 if self.shared_expert_gate else 0))
+        n_moe = len(self.moe_layers)
+        blocks = self.layers * (attn + 2) + (self.layers - n_moe) * 3 + n_moe * moe
+        return blocks + 2 + (0 if self.tie_embeddings else 1)
+
     def expert_params(self) -> int:
         """Routed experts' parameters over all blocks: what expert parallelism shards."""
         return len(self.moe_layers) * self.experts * self.one_expert_params()
