@@ -69,21 +69,75 @@ def ring_kv_exposed_s(model: ModelSpec, cfg: ParallelConfig, mb_tokens: float, n
     return max(0.0, ring - attn_s)
 
 
+SYNC_METHODS = ("bucketed", "per_tensor")
+"""How a sync between disjoint pools moves the weights (``weight_sync_s``): ``bucketed``, a
+checkpoint engine's (verl ``checkpoint_engine.backend=nccl``, MoonshotAI checkpoint-engine:
+tensors packed into buffers, one broadcast per buffer; what the planner's verl launch uses), or
+``per_tensor``, one NCCL broadcast per tensor (verl with the checkpoint engine off)."""
+SYNC_BUCKET_BYTES = 1024 * 2**20
+"""Bytes of one bucket of a bucketed sync: verl's starting NCCL bucket (``BaseDetachNcclSync.
+_bucket_size_mb = 1024``, verl/experimental/fully_async_policy/base_detach_sync.py)."""
+
+
+def broadcast_latency_s(ranks: int, cluster: ClusterSpec, p: CostParams) -> float:
+    """Latency of one NCCL broadcast over ``ranks`` consecutive GPUs, whatever its size: NCCL
+    broadcasts along a ring (it has no tree broadcast), so the message's head passes ranks - 1 hops,
+    those inside a node at ``p2p_latency_s``, the nodes - 1 between nodes at ``inter_latency_s``.
+    32 ranks on 4 nodes: 28 * 8 us + 3 * 52 us = 0.38 ms (the fitted H100 / H20 latencies)."""
+    if ranks <= 1:
+        return 0.0
+    nodes = nodes_spanned(cluster, ranks, 1)
+    return (ranks - nodes) * p.p2p_latency_s + (nodes - 1) * max(p.p2p_latency_s, p.inter_latency_s)
+
+
 def weight_sync_s(model: ModelSpec, train: ParallelConfig, gen: ParallelConfig, cluster: ClusterSpec,
-                  colocated: bool, params: CostParams | None = None) -> float:
-    """Per-step actor weight sync from the training layout to the generation layout: every
-    generation GPU receives its 2N/(tp*pp) bytes; every training GPU sends its share of the
-    dp_gen copies. Intra-node bandwidth when the pools are colocated, or apart on a single node
-    (every GPU pair of one node is on its NVLink / xGMI: an async plan's 4 + 4 split of one node
-    syncs there); scale-out otherwise."""
+                  colocated: bool, params: CostParams | None = None, method: str = "bucketed",
+                  group: int | None = None) -> float:
+    """Per-step actor weight sync from the training layout to the generation layout.
+
+    Colocated pools: every generation GPU receives its 2N/(tp*pp) bytes and every training GPU
+    sends its share of the dp_gen copies, over NVLink (CUDA IPC inside each GPU's node).
+
+    Disjoint pools: the trainer gathers each tensor (TP / EP / FSDP shards to the full Hugging Face
+    tensor, ``ModelSpec.weight_tensors``) and broadcasts it to the sync group (every trainer and
+    rollout rank, verl's ``collective.broadcast`` from rank 0), each rollout rank loading what it
+    holds. Three terms:
+
+    - bytes: one pipelined broadcast of the 2N bytes: every rank receives every byte once, the root
+      sends once (relays forward), at the scale-out rate (NVLink on a one-node cluster);
+    - ``weight_tensors() * weight_sync_tensor_s``: the per-tensor work both methods do (the
+      trainer's gather and name conversion, the buffer copy, the engine's ``load_weights`` call),
+      fitted on bucketed syncs of the corpus's fit split (``nereus.fidelity.fit.weight_sync_tensor_s``);
+    - the broadcasts' latency (``broadcast_latency_s`` over train.gpus + gen.gpus ranks): once per
+      tensor for ``per_tensor``, once per ``SYNC_BUCKET_BYTES`` for ``bucketed``.
+
+    ``group`` overrides the broadcast group's ranks (default train.gpus + gen.gpus): a checkpoint
+    engine that stages the weights in the rollout hosts' memory broadcasts among gen.gpus only.
+
+    Worked example, Qwen3-30B-A3B (30.5B parameters, 18,867 tensors) from 16 trainer to 16 rollout
+    H20s on 4 nodes (fitted H20 profile: 36 GB/s scale-out, ``broadcast_latency_s`` 0.381 ms over
+    the 32 ranks; ``weight_sync_tensor_s`` 0.281 ms): bytes 61.06 GB / 36 GB/s = 1.70 s; tensors
+    18,867 * 0.281 ms = 5.30 s; per-tensor broadcasts 18,867 * 0.381 ms = 7.19 s, or for a bucketed
+    sync 57 buckets * 0.381 ms = 0.02 s. Per-tensor 14.19 s, bucketed 7.02 s (verl's published
+    ablation on H20: 15.76 / 4.38 s, held out). A dense 7B's 339 tensors cost 0.1 s of either term;
+    an MoE's experts multiply the tensors 56-fold.
+    """
     p = params or CostParams()
+    if method not in SYNC_METHODS:
+        raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
     intra, inter = links(cluster, p)
     one_node = cluster.nodes == 1
-    bw = intra if (colocated or one_node) and gen.tp * gen.pp <= cluster.gpus_per_node else inter
     full = model.dtype_bytes * model.num_params()
-    recv = full / (gen.tp * gen.pp)
-    send = full * gen.dp / train.gpus
-    return p.p2p_latency_s * gen.tp * gen.pp + max(recv, send) / bw
+    if colocated:
+        bw = intra if gen.tp * gen.pp <= cluster.gpus_per_node else inter
+        recv = full / (gen.tp * gen.pp)
+        send = full * gen.dp / train.gpus
+        return p.p2p_latency_s * gen.tp * gen.pp + max(recv, send) / bw
+    ranks = group or train.gpus + gen.gpus
+    bw = intra if one_node else inter
+    tensors = model.weight_tensors()
+    calls = tensors if method == "per_tensor" else math.ceil(full / SYNC_BUCKET_BYTES)
+    return full / bw + tensors * p.weight_sync_tensor_s + calls * broadcast_latency_s(ranks, cluster, p)
 
 
 def pp_hops_s(nbytes: float, tp: int, pp: int, cluster: ClusterSpec, p: CostParams) -> float:

@@ -158,6 +158,17 @@ class CostParams:
     memory_reserve_frac``), the error the model makes on measurements no fit read. ``nereus plan``
     prints it with every plan. 0 disables it. 0.13: the held-out p90 of measured / predicted is 1.121
     over 23 rows (rounded up to the next hundredth)."""
+    weight_sync_tensor_s: float = 2.81e-4
+    """Host-side time per named tensor of a weight sync between disjoint pools beyond its bytes and
+    broadcast latency (``comm.weight_sync_s``): the trainer gathering the tensor from its TP / EP /
+    FSDP shards and converting it to its Hugging Face name, the copy into the send buffer, the
+    engine's ``load_weights`` of it. Serial per tensor, so a mixture-of-experts model (Qwen3-30B-A3B:
+    18,867 tensors, 56x a dense 7B's 339) pays it in seconds. The fit split's bucketed syncs
+    (``async`` rows of stage ``weight_sync``), each row's (measured - bytes - bucket latency) /
+    tensors, median over sources (``nereus.fidelity.fit.weight_sync_tensor_s``): 0.093 ms from
+    MoonshotAI checkpoint-engine (Qwen3-235B-A22B on 8 H800, 6.22 s), 0.281 ms from verl's NCCL
+    checkpoint engine (Qwen3-30B-A3B, 2 FSDP -> 30 rollout H100s, ~7 s), 0.68 ms from trl's packed
+    NCCL sync (Qwen3-32B, 16 + 16 H200s, ~2.3 s): 0.281 ms. Not fitted to a held-out row."""
     host_link_gbps: float = 25.0
     """GPU <-> host bandwidth for CPU offload of a resident state (PCIe Gen5 x16 effective)."""
     kv_remap_s_per_gib: float = 3.9e-3
