@@ -22,7 +22,10 @@ stages; ``wait_prev_gen`` and a fully-async row's ``gen`` the trainer's wait for
 
 ``speedups`` derives the second comparison: async over sync step time, predicted (this module over
 ``predict``'s sync pricing of the baseline row the async row names, ``sync_row``) against published.
-No constant here is fitted; every async row is held out (the corpus loader refuses one in the fit split).
+No constant here is fitted; every async step row is held out (the corpus loader refuses one in the
+fit split). The one exception is a weight sync measured on its own (``stage=weight_sync`` of a
+checkpoint engine's benchmark): the fit split's bucketed ones fit ``weight_sync_tensor_s``
+(``fit.weight_sync_tensor_s``); verl's checkpoint-engine ablation (``asyncsync-*``) stays held out.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from nereus.fidelity.catalog import moe_preset
 from nereus.fidelity.corpus import Row
 from nereus.fidelity.rl_rows import controller_width, rl_job, stage_settings
 from nereus.fidelity.rows import Unsupported, _int, _model
+from nereus.models.spec import ModelSpec
 from nereus.planner.cost.comm import weight_sync_s
 from nereus.planner.cost.model import StageOptions, estimate
 from nereus.planner.cost.params import CostParams
@@ -95,19 +99,33 @@ def async_plan(row: Row, gpu: GPUSpec, p: CostParams) -> AsyncTimes:
     return AsyncTimes(stage_s, spans[0], sum(spans[1:]), sync, compose_step(job, plan, stage_s, sync), check.violations)
 
 
-def _weight_sync(row: Row, gpu: GPUSpec, p: CostParams) -> float:
-    """One cross-pool sync of the row's actor. A mixture-of-experts model is priced from its preset
-    (every expert's bytes move; the byte-and-latency formula knows nothing of per-tensor calls)."""
+def sync_model(row: Row, gpu: GPUSpec) -> tuple[ModelSpec, GPUSpec]:
+    """The model a weight-sync row moves: the catalog's, or a mixture-of-experts model's preset
+    (every expert's bytes and tensors move)."""
     try:
-        model, gpu = _model(row, gpu)
+        return _model(row, gpu)
     except Unsupported:
         model = moe_preset(row.model)
         if model is None:
             raise
+        return model, gpu
+
+
+def _weight_sync(row: Row, gpu: GPUSpec, p: CostParams) -> float:
+    """One cross-pool sync of the row's actor (``comm.weight_sync_s``): ``checkpoint_engine=1``
+    (default) a bucketed sync, 0 one broadcast per tensor; ``sync_ranks`` the broadcast group where
+    it is not the two pools (a checkpoint engine staging the weights in the rollout hosts' memory);
+    ``gpus_per_node`` default 8."""
+    model, gpu = sync_model(row, gpu)
     R, T = _int(row, "rollout_gpus"), _int(row, "train_gpus")
     tp, rtp = _int(row, "tp", 1), _int(row, "rollout_tp", 1)
-    cluster = ClusterSpec(gpu=gpu, nodes=max(1, math.ceil((R + T) / 8)), gpus_per_node=min(8, R + T))
-    return weight_sync_s(model, ParallelConfig(tp=tp, dp=T // tp), ParallelConfig(tp=rtp, dp=R // rtp), cluster, False, p)
+    group = _int(row, "sync_ranks", 0) or None
+    per_node = _int(row, "gpus_per_node", 8)
+    ranks = group or R + T
+    cluster = ClusterSpec(gpu=gpu, nodes=max(1, math.ceil(ranks / per_node)), gpus_per_node=min(per_node, ranks))
+    method = "per_tensor" if row.get("checkpoint_engine", "1") == "0" else "bucketed"
+    return weight_sync_s(model, ParallelConfig(tp=tp, dp=T // tp), ParallelConfig(tp=rtp, dp=R // rtp), cluster, False, p,
+                         method=method, group=group)
 
 
 def predict_async(row: Row, gpu: GPUSpec, p: CostParams) -> float:

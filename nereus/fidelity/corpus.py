@@ -28,7 +28,13 @@ allocated or reserved; an inference engine's weights and KV-cache pool at its me
 held out; the other categories' files keep their MoE rows unpredicted (``catalog.resolve_model``),
 so no fit reads a MoE measurement."""
 HELDOUT_ONLY = ("async", "moe")
-"""Categories no fit may ever read: a row of them in the fit split is refused."""
+"""Categories no fit may ever read: a row of them in the fit split is refused, except an ``async``
+row of ``stage=weight_sync`` (``FIT_STAGES``)."""
+FIT_STAGES = {"async": ("weight_sync",)}
+"""Stages of a held-out category a fit may read: a weight sync between disjoint pools measured on
+its own (a checkpoint engine's benchmark) is a transfer, like a collective; it fits
+``weight_sync_tensor_s`` (``fit.weight_sync_tensor_s``) and nothing else, and no async step row is
+ever in the fit split."""
 COLUMNS = ("id", "source", "source_kind", "hardware", "gpus", "model", "engine", "config", "metric", "unit", "value",
            "derived", "split", "notes")
 SPLITS = ("fit", "heldout")
@@ -107,7 +113,7 @@ def _rows(path: Path, category: str, reader: csv.DictReader) -> list[Row]:
             raise SpecError(f"{where}: value must be a finite number > 0, got {r['value']}")
         if r["split"] not in SPLITS:
             raise SpecError(f"{where}: split must be fit or heldout, got {r['split']!r}")
-        if category in HELDOUT_ONLY and r["split"] != "heldout":
+        if category in HELDOUT_ONLY and r["split"] != "heldout" and not _fit_stage(category, r["config"], where):
             raise SpecError(f"{where}: {category} rows are held out from every fit (split heldout), got {r['split']!r}")
         if r["derived"] not in ("0", "1"):
             raise SpecError(f"{where}: derived must be 0 or 1, got {r['derived']!r}")
@@ -124,6 +130,10 @@ def _rows(path: Path, category: str, reader: csv.DictReader) -> list[Row]:
                         metric=r["metric"], unit=r["unit"], value=value, derived=r["derived"] == "1",
                         split=r["split"], notes=r["notes"]))
     return rows
+
+
+def _fit_stage(category: str, config: str, where: str) -> bool:
+    return _parse_config(config, where).get("stage") in FIT_STAGES.get(category, ())
 
 
 def load_corpus(directory: str | Path | None = None) -> list[Row]:

@@ -63,7 +63,8 @@ def fit_profile_params(rows: Iterable[Row], gpu: str, base: CostParams | None = 
 
     base = base or CostParams()
     family = next((f for f in LINK_FAMILIES if gpu in f), (gpu,))
-    mine = [r for r in fit_rows(list(rows)) if r.category != "host"  # host time: fitted across GPUs (engine_host_overhead, layer_host_s)
+    mine = [r for r in fit_rows(list(rows)) if r.category not in ("host", "async")  # host time: fitted across GPUs
+            # (engine_host_overhead, layer_host_s); weight syncs: weight_sync_tensor_s
             and (row_gpu(r) == gpu or (r.category == "collectives" and row_gpu(r) in family))]
     usable = [r for r in mine if predict(r, lambda _: base).predicted is not None]
     if not usable:
@@ -214,6 +215,33 @@ def _by_source(rows: list[Row]) -> dict[str, list[float]]:
     for r in rows:
         out.setdefault(_source(r), []).append(r.value)
     return out
+
+
+def weight_sync_tensor_s(rows: Iterable[Row], params_for) -> tuple[float, list[dict]]:
+    """``CostParams.weight_sync_tensor_s`` from the fit split's bucketed weight syncs (``async`` rows
+    of ``stage=weight_sync``, ``checkpoint_engine=1``): for each, what the measured seconds leave
+    after the bytes and the bucket broadcasts' latency (``comm.weight_sync_s`` with the per-tensor
+    term at 0, the row's GPU profile from ``params_for``), per tensor of the model
+    (``ModelSpec.weight_tensors``); the median over sources of each source's median (one source, one
+    vote), in seconds. Held-out rows are dropped first. Returns seconds and one record per row."""
+    from nereus.fidelity.async_rows import sync_model
+    from nereus.fidelity.catalog import resolve_gpu
+
+    use = [r for r in fit_rows(list(rows)) if r.category == "async" and r.get("stage") == "weight_sync"
+           and r.get("checkpoint_engine", "1") == "1"]
+    if not use:
+        raise SpecError("no fit-split bucketed weight-sync row (async, stage=weight_sync, checkpoint_engine=1)")
+    recs, by_source = [], {}
+    for r in use:
+        rest = predict(r, lambda g: replace(params_for(g), weight_sync_tensor_s=0.0)).predicted
+        if rest is None:
+            raise SpecError(f"weight-sync row {r.id}: not predictable ({predict(r, params_for).reason})")
+        model, _ = sync_model(r, resolve_gpu(r.hardware)[0])
+        per = (r.value - rest) / model.weight_tensors()
+        recs.append({"id": r.id, "model": model.name, "tensors": model.weight_tensors(), "measured_s": r.value,
+                     "bytes_and_latency_s": rest, "per_tensor_s": per})
+        by_source.setdefault(_source(r), []).append(per)
+    return float(np.median([np.median(v) for v in by_source.values()])), recs
 
 
 RESTART_FILE = "restart.csv"
