@@ -211,7 +211,7 @@ def apply_transition(store: ShardStore, plan: TransitionPlan, rank: int, transpo
     for m, step in zip(models, vote[1:]):
         store.step[m] = step
     items = sums = new.bases = None  # drop this rank's views of the old state, so its buffers are free for the trim
-    store.replace(new.tensors.items())
+    store.replace(new.tensors)  # handed over: new is dropped below
     trim_cache()  # the old state's buffers are free now: keep at most cache_limit() of them
     phases = tuple((k, round(counters.get(k, 0.0), 6)) for k in ("allocate_s", "prepare_s", "exchange_s", "verify_s"))
     phases += (("vote_commit_s", round(time.perf_counter() - t_vote, 6)),

@@ -155,6 +155,8 @@ def mostly_dead(tensors: list[torch.Tensor], min_waste: int | None = None) -> li
     transition's kept regions): True where the buffer would be mostly dead, i.e. its size minus
     the bytes of these tensors in it exceeds both those bytes and ``min_waste`` (default
     ``MIN_WASTE``)."""
+    if not tensors:
+        return []
     min_waste = MIN_WASTE if min_waste is None else min_waste
     with _lock:
         sizes = {_start[id(m)]: len(m) for m in _blocks if id(m) in _start}
@@ -188,18 +190,41 @@ def empty_regions(regions, dtypes: dict[str, torch.dtype], device: torch.device,
 def empty_tensors(regions: list[Region], dtypes: dict[str, torch.dtype], device: torch.device,
                   major: dict[tuple[str, str], int] | None = None) -> list[torch.Tensor]:
     """``empty_regions`` as a list in the order of ``regions`` (no dict keyed by region)."""
+    return carve(layout_of(regions, dtypes, major), len(regions), device)
+
+
+def layout_of(regions: list[Region], dtypes: dict[str, torch.dtype],
+              major: dict[tuple[str, str], int] | None = None) -> list[tuple]:
+    """How ``empty_tensors`` carves ``regions``, as data (a function of the regions alone: a caller
+    that allocates the same regions again keeps it and calls ``carve``): per dtype, (torch dtype,
+    the ``split_with_sizes`` sizes, each region followed by its alignment pad, and per region
+    (its index, numel, lengths, dim stored outermost))."""
     major = major or {}
-    if device.type != "cpu":
-        return [_in_order(torch.empty(r.numel, dtype=dtypes[r.dtype], device=device), r.lengths,
-                          major.get((r.model, r.tensor), 0)) for r in regions]
-    by_dtype: dict[str, list[int]] = defaultdict(list)
+    by_dtype: dict[str, list[tuple]] = defaultdict(list)
     for i, r in enumerate(regions):
-        by_dtype[r.dtype].append(i)
-    out: list[torch.Tensor | None] = [None] * len(regions)
-    for name, idx in by_dtype.items():
-        for i, flat in zip(idx, scratch([regions[i].numel for i in idx], dtypes[name], device)):
-            r = regions[i]
-            out[i] = _in_order(flat, r.lengths, major.get((r.model, r.tensor), 0))
+        by_dtype[r.dtype].append((i, r.numel, r.lengths, major.get((r.model, r.tensor), 0)))
+    out = []
+    for name, items in by_dtype.items():
+        dtype = dtypes[name]
+        size = dtype.itemsize
+        sizes = []
+        for _, n, _, _ in items:
+            sizes += (n, _aligned(n * size) // size - n)
+        out.append((dtype, sizes, items))
+    return out
+
+
+def carve(layout: list[tuple], count: int, device: torch.device) -> list[torch.Tensor]:
+    """The ``count`` tensors of ``layout`` (``layout_of``): on the host one arena buffer per dtype,
+    split once; plain ``torch.empty`` per region on CUDA."""
+    out: list[torch.Tensor | None] = [None] * count
+    for dtype, sizes, items in layout:
+        if device.type != "cpu":
+            flats = [torch.empty(n, dtype=dtype, device=device) for _, n, _, _ in items]
+        else:
+            flats = _take(sum(sizes) * dtype.itemsize).view(dtype).split_with_sizes(sizes)[0::2]
+        for (i, _, lengths, dim), flat in zip(items, flats):
+            out[i] = flat.view(lengths) if dim == 0 else _in_order(flat, lengths, dim)
     return out
 
 

@@ -120,7 +120,8 @@ class ShardStore:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._data: dict[Region, torch.Tensor] = {}
-        self._by_key: dict[tuple[str, str, str], list[Region]] = {}
+        self._keyed: dict[tuple[str, str, str], list[Region]] | None = {}
+        """The held regions per (model, tensor, kind); None after ``replace`` until first read."""
         self.step: dict[str, int] = {}
         """Adam step count per model; carried across transitions."""
 
@@ -144,6 +145,14 @@ class ShardStore:
         if region not in self._data:
             self._by_key.setdefault(region.key, []).append(region)
         self._data[region] = tensor
+
+    @property
+    def _by_key(self) -> dict[tuple[str, str, str], list[Region]]:
+        if self._keyed is None:
+            self._keyed = {}
+            for r in self._data:
+                self._keyed.setdefault(r.key, []).append(r)
+        return self._keyed
 
     def get(self, region: Region) -> torch.Tensor:
         try:
@@ -180,12 +189,11 @@ class ShardStore:
         outer, t = self.covering(region)
         return narrowed(t, outer, region)
 
-    def replace(self, regions: Iterable[tuple[Region, torch.Tensor]]) -> None:
-        """Commit: the new contents replace the old ones at once (old tensors are freed)."""
-        self._data = dict(regions)
-        self._by_key = {}
-        for r in self._data:
-            self._by_key.setdefault(r.key, []).append(r)
+    def replace(self, regions: Iterable[tuple[Region, torch.Tensor]] | dict[Region, torch.Tensor]) -> None:
+        """Commit: the new contents replace the old ones at once (old tensors are freed). A dict is
+        taken as it is (the caller hands it over); the per-key index is rebuilt on first use."""
+        self._data = regions if type(regions) is dict else dict(regions)
+        self._keyed = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._data.values())

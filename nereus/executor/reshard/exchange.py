@@ -48,12 +48,11 @@ def _run_round(x: Exchange, views: list[torch.Tensor], store: ShardStore, rank: 
         counters["staged"] += x.staging
     # the sender's checksums follow its data on each peer's stream, so they arrive with the data's
     # tail instead of costing one more round trip after it
-    for peer, ids in x.peer_sums:
-        transport.submit_send(peer, torch.tensor([sums[h] for h in ids], dtype=torch.int64, device=store.device))
+    # (posted in place: each is one dense int64 tensor, so no staging buffer, packing or unpacking)
+    sums_out = [(peer, torch.tensor([sums[h] for h in ids], dtype=torch.int64, device=store.device))
+                for peer, ids in x.peer_sums]
     sums_in = torch.empty(x.recv_at[-1], dtype=torch.int64, device=store.device)
-    for peer, first, end in x.recv_peers:
-        transport.submit_recv(peer, sums_in[first:end])
-    posted_sums = transport.start()
+    posted_sums = transport.start(messages=(sums_out, [(peer, sums_in[first:end]) for peer, first, end in x.recv_peers]))
     copies = _copy_locally(x, views, sums, counters, corrupt)
     if verify_previous is not None:
         verify_previous()

@@ -5,12 +5,12 @@ ahead of the first transition (``reserve_arena``). All functions of the plan and
 store: every rank derives the same exchanges and the same piece order."""
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch
 
 from nereus.errors import TransitionError
-from nereus.executor.arena import empty_tensors, mostly_dead
+from nereus.executor.arena import carve, layout_of, mostly_dead
 from nereus.executor.reshard.checksum import checksum
 from nereus.executor.reshard.program import _joins, program
 from nereus.executor.reshard.recipe import Geometry, dense, geometry, join_key, join_record, recipe, same_items
@@ -30,7 +30,10 @@ class _NewLayout:
         # a kept region keeps its whole arena buffer mapped: where most of that buffer dies at
         # commit, the region moves to the new arena (a local copy) so the buffer can be freed
         self.relocated = [r for r, move in zip(held, mostly_dead(held_t)) if move]
-        made = empty_tensors(rec.fresh + self.relocated, TORCH_DTYPES, store.device, major)
+        layout = rec.layouts.get(tuple(self.relocated))  # a function of the regions: kept on the recipe
+        if layout is None:
+            layout = rec.layouts[tuple(self.relocated)] = layout_of(rec.fresh + self.relocated, TORCH_DTYPES, major)
+        made = carve(layout, len(rec.fresh) + len(self.relocated), store.device)
         self.fresh_t = made[:len(rec.fresh)]
         """The new regions' tensors, in ``recipe.fresh`` order."""
         self.tensors: dict[Region, torch.Tensor] = dict(zip(held + rec.fresh + self.relocated, held_t + made))
@@ -271,18 +274,13 @@ def _carve_once(store: ShardStore, plan: TransitionPlan, rank: int, staging_byte
         program(new.recipe, new.bases[2], round_groups(staged, staging_bytes), sizer.bucket_bytes, store, new,
                 new.bases[0], new.bases[1])
     for lo, hi in round_groups(staged, staging_bytes):  # held one exchange at a time, as the transition does
-        peers: dict[str, Counter] = {"send": Counter(), "recv": Counter()}
         for it in _merged([x for rnd in range(lo, hi + 1) for x in items.get(rnd, ())], store, new, major):
             if it[0] in ("send", "recv"):
                 (sizer.submit_send if it[0] == "send" else sizer.submit_recv)(it[1], it[2])
-                peers[it[0]][it[1]] += 1
         out, inc = sizer._messages(sizer._sends), sizer._messages(sizer._recvs)
         sizer.close()
-        data = _staging([m for _, m in out + inc])
-        sums = [torch.empty(n, dtype=torch.int64, device=store.device) for what in ("send", "recv")
-                for _, n in sorted(peers[what].items())]
-        sum_bufs = _staging([[t] for t in sums if t.numel()])  # the checksum messages (small: staged)
-        del data, sum_bufs
+        data = _staging([m for _, m in out + inc])  # (the checksum messages go in place: nothing staged)
+        del data
 
 
 def _merged(items: list[tuple], store: ShardStore, new: _NewLayout, major: dict[tuple[str, str], int]) -> list[tuple]:

@@ -59,6 +59,9 @@ class Recipe:
         self.rounds = 0
         self.geometry: Geometry | None = None
         self.cover_checked = False
+        self.layouts: dict[tuple[Region, ...], list[tuple]] = {}
+        """The new regions' carving out of the arena (``arena.layout_of``), per tuple of kept
+        regions relocated with them (almost always none)."""
         self.joins: dict[tuple[int, int, int], tuple[list, list]] = {}
         """Per exchange's items (keyed by their count and first and last piece's ids): (their
         pieces, to check the key, and the join plan ``_merged`` derived for them)."""
