@@ -355,3 +355,21 @@ def test_on_fewer_gpus_the_current_plan_rescaled_is_judged_by_its_underestimate_
     assert peaks[1] > peaks[0]
     own = ctl.memory.measured[parent.key()]
     assert ctl.memory.measured[half.key()] == ctl.memory._up(own * peaks[1] / peaks[0]) > own
+
+
+def test_the_engine_start_is_not_scaled_by_the_learned_transition_factor(env):
+    """SIMULATED 8k ramp (issue 29): knob-only switches measured 4x their bound clamped the learned
+    transition factor at 4, and a 48 s engine start was then predicted 191 s. The factor now corrects
+    the moving of state only; a reported switch teaches it its time less the engine start."""
+    from nereus.planner.online.library import gen_tp_variants
+
+    ctl = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False)
+    a = ctl.plan
+    b = gen_tp_variants(a, env.job.model("actor"), env.cluster.gpus_per_node)[0]
+    bound = env.plans.transition_cost(a, b)
+    for _ in range(3):
+        ctl.calibration.update_transition(4.0 * 10.0, 10.0)  # state moves measured at 4x their bound
+    assert math.isclose(ctl.transition_cost(a, b), 4.0 * bound + ctl.engine_restart_s)
+    ctl._last_cost_raw, ctl._last_engine_s = bound, ctl.engine_restart_s
+    ctl.report_transition(ctl.engine_restart_s + 3.0 * bound)
+    assert ctl.calibration.transition_pairs[-1] == (3.0 * bound, bound)

@@ -378,6 +378,7 @@ class AdmissionRules:
         if best.cost_s > 0:
             self._last_switch = m.step
         self._last_cost_raw = self._cost.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
+        self._last_engine_s = self._engine_s.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
         if best.plan.layout_key() != self.plan.layout_key():
             self._on_plan = 0
         if best.origin == "re-pool":

@@ -148,6 +148,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._stage_memo: dict[tuple, object] = {}
         """Stage estimates shared by the library's plans (``evaluate_times``'s memo)."""
         self._cost: dict[tuple, float] = {}
+        self._engine_s: dict[tuple, float] = {}
+        """Per layout pair, the engine start a switch adds (``engine_restart_s`` or 0), not corrected."""
+        self._last_engine_s = 0.0
         self._streak: tuple[tuple, int] = ((), 0)
         self._last_switch = -10**9
         self._last_cost_raw = 0.0
@@ -205,8 +208,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
 
     def report_transition(self, measured_s: float) -> None:
         """The caller applied the last switch; its measured time calibrates future cost predictions
-        (``OnlineCalibration.transition_model``: a factor on the planner's estimate + a fixed part)."""
-        self.calibration.update_transition(measured_s, self._last_cost_raw)
+        (``OnlineCalibration.transition_model``: a factor on the planner's estimate + a fixed part),
+        less the engine start it was priced with (a measured time at or below it teaches nothing)."""
+        self.calibration.update_transition(measured_s - self._last_engine_s, self._last_cost_raw)
 
     def report_rollback(self, reason: str, step: int | None = None) -> None:
         """The caller's transition to the last switch's plan rolled back (every rank kept the old
@@ -372,9 +376,11 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             if self._transition_cost_fn is not None:  # the caller's price of the whole switch
                 c = float(self._transition_cost_fn(a, b))
             else:  # the transition planner's bound on moving state, and a new engine where one starts
-                c = float(self.plans.transition_cost(a, b)) + (self.engine_restart_s if engine_changes(a, b) else 0.0)
+                c = float(self.plans.transition_cost(a, b))
+                self._engine_s[key] = self.engine_restart_s if engine_changes(a, b) else 0.0
             self._cost[key] = c
-        return self.calibration.predict_transition(c)
+        # the learned correction is for moving state; the engine start is a published time of its own
+        return self.calibration.predict_transition(c) + self._engine_s.get(key, 0.0)
 
     def _log(self, m: StepMetrics, ws: list[Workload], cur: Candidate, cands: list[Candidate], d: Decision) -> None:
         self.audit.record({
