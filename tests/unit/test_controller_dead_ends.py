@@ -363,13 +363,18 @@ def test_the_engine_start_is_not_scaled_by_the_learned_transition_factor(env):
     the moving of state only; a reported switch teaches it its time less the engine start."""
     from nereus.planner.online.library import gen_tp_variants
 
+    from nereus.planner.online.library import engine_changes
+
     ctl = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False)
     a = ctl.plan
-    b = gen_tp_variants(a, env.job.model("actor"), env.cluster.gpus_per_node)[0]
-    bound = env.plans.transition_cost(a, b)
+    pairs = [(q, env.plans.transition_cost(a, q)) for f in frugal_variants(a, env.job, env.cluster.gpus_per_node)
+             for q in gen_tp_variants(f, env.job.model("actor"), env.cluster.gpus_per_node) if engine_changes(a, q)]
+    b, bound = max(pairs, key=lambda x: x[1])  # a switch that moves state and starts an engine
+    assert bound > 0
     for _ in range(3):
         ctl.calibration.update_transition(4.0 * 10.0, 10.0)  # state moves measured at 4x their bound
     assert math.isclose(ctl.transition_cost(a, b), 4.0 * bound + ctl.engine_restart_s)
     ctl._last_cost_raw, ctl._last_engine_s = bound, ctl.engine_restart_s
     ctl.report_transition(ctl.engine_restart_s + 3.0 * bound)
-    assert ctl.calibration.transition_pairs[-1] == (3.0 * bound, bound)
+    measured, predicted = ctl.calibration.transition_pairs[-1]
+    assert math.isclose(measured, 3.0 * bound) and predicted == bound
