@@ -11,7 +11,10 @@ How each policy's layout is chosen (``setup.POLICIES``), all by the planner on t
   generation on the training layout (no per-step weight sync), recomputation off;
 - static+recompute: the same with recomputation allowed;
 - model-hindsight: every plan the planner calls best for some step of the adaptive run (each step's
-  measured mean, p90 and cap), plus the two static ones, is scored over all the run's steps by the
+  measured mean, p90 and cap), every plan the adaptive run ran (``plan_spec`` of its records: where
+  the planner finds nothing for the late steps' caps, the plans adaptive moved to there are the ones
+  predicted to fit; without them, on a host whose probes price memory tighter, no candidate fitted
+  every step and the A/A control did not run), plus the two static ones, is scored over all the run's steps by the
   cost model; the fastest in total among those predicted to fit every step wins. It knows the
   lengths (the first adaptive run's, not its own); its step times are the model's, not measured
   ones, hence "model". It runs unchanged: the controller observes and audits, but none of its
@@ -94,7 +97,8 @@ def hindsight_plan(job, cluster, params, records: list[dict], others: list[Plan]
         if p is not None:
             cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
                                                      for s in p.stages), p)
-    for p in others:
+    ran = [Plan.from_dict(r["plan_spec"]) for r in records if r.get("plan_spec")]
+    for p in ran + list(others):
         if p is not None:
             cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
                                                      for s in p.stages), p)

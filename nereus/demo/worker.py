@@ -230,6 +230,7 @@ class _Run:
                 "loss": loss, "oom": oom, "oom_phase": phase if oom else "", "stage_times": times,
                 "step_s": time.perf_counter() - t_step, "peak_mem_bytes": peak,
                 "peak_mem_frac": peak / (cfg.budget_mb * 1024**2), "plan": _layout_label(self.plan),
+                "plan_spec": self.plan.to_dict(),
                 "cap": cap, "next_cap": cap_at(cfg, step + 1), "sequences": int(prompts.shape[0]),
                 "recompute": self.plan.stage("actor/training").config.recompute}
 

@@ -167,3 +167,21 @@ def test_the_demo_meter_has_no_allocator_slack():
     p = demo_params(3456.0, 9036.0)
     assert getattr(p, "mem_fragmentation", 1.0) == 1.0 and getattr(p, "mem_reserve_frac", 0.0) == 0.0
     assert p.workspace_gib == 0.0 and p.kv_mem_util == 1.0
+
+
+def test_model_hindsight_weighs_the_plans_the_adaptive_run_ran(tmp_path):
+    """The A/A control (model-hindsight) had not run on a host whose probes price memory tighter: none
+    of the planner's per-step plans was predicted to fit every step, though the plan adaptive moved
+    to was. The plans the adaptive run ran (``plan_spec`` of its records) are now candidates too."""
+    from nereus.demo.policy import hindsight_plan, initial_plan
+    from nereus.planner.online.library import frugal_variants
+
+    cfg = DemoConfig(out_dir=str(tmp_path))
+    job, cluster, params = _inputs(cfg)
+    cluster = budget_cluster(cluster, cfg)
+    first = initial_plan(job, cluster, params, cfg)
+    moved = frugal_variants(first, job, cluster.gpus_per_node)[-1]  # a layout the planner did not offer
+    records = [{"response_len_mean": 20.0, "response_len_p90": 30.0, "cap": 32, "plan_spec": first.to_dict()},
+               {"response_len_mean": 60.0, "response_len_p90": 100.0, "cap": 128, "plan_spec": moved.to_dict()}]
+    _, scored = hindsight_plan(job, cluster, params, records, [])
+    assert moved.key() in {c["plan"].key() for c in scored}
