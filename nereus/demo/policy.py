@@ -91,14 +91,10 @@ def hindsight_plan(job, cluster, params, records: list[dict], others: list[Plan]
 
     ws = step_workloads(job, records)
     cache = plan_cache(job, cluster, recompute=recompute)
-    cands: dict[tuple, Plan] = {}
-    for w in ws:
-        p = cache.best(COLOCATED, w, cluster.num_gpus, params)
-        if p is not None:
-            cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
-                                                     for s in p.stages), p)
+    best = [cache.best(COLOCATED, w, cluster.num_gpus, params) for w in ws]
     ran = [Plan.from_dict(r["plan_spec"]) for r in records if r.get("plan_spec")]
-    for p in ran + list(others):
+    cands: dict[tuple, Plan] = {}
+    for p in best + ran + list(others):
         if p is not None:
             cands.setdefault(p.layout_key() + tuple((s.name, s.config.micro_batch, s.config.recompute)
                                                      for s in p.stages), p)

@@ -251,7 +251,7 @@ def test_each_rollout_size_priced_alone_gets_the_tables_of_the_full_ones(name):
     assert len(b.priced) <= len(b.units) * len(b.sizes)
 
 
-@pytest.mark.parametrize("name", LAZY_SPLIT)
+@pytest.mark.parametrize("name", LAZY_SPLIT + ("ppo-8b@1024:one_step_off",))
 def test_solving_each_rollout_size_lazily_returns_the_plan_of_the_cluster_wide_tables(name, monkeypatch):
     """End to end: ``solve`` with ``split.solve_split_lazy`` as it is, and with it replaced by what
     solve ran before (every group ``price_groups(b, h)`` asks for priced, the tables tightened over the

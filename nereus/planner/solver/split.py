@@ -29,14 +29,12 @@ import math
 import time
 from dataclasses import replace
 
-from nereus.planner.cost.comm import weight_sync_s
 from nereus.planner.schedules import step_time
 from nereus.planner.solver.assignment import Assignment
 from nereus.planner.solver.candidates import ACTOR, GEN, TableBuilder, Tables
 from nereus.planner.solver.greedy import BOUND_SLACK, tighten
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.solver.structure import Skeleton, placement_skeleton
-from nereus.planner.specs import ParallelConfig
 
 CUTOFF_SLACK = 1e-7
 """Relative slack of a sub-problem's cutoff: the backends round times to ticks, so a plan equal to
@@ -72,22 +70,10 @@ def split_bound(t: Tables, r: int) -> float:
     return step_time(t.schedule, [rollout, trainer] + [0.0] * (t.n_phases - 2), sync)
 
 
-def disjoint_sync_floor(problem: PlanProblem, r: int, sizes) -> float:
-    """The least weight sync from a trainer pool of one of ``sizes`` GPUs to a rollout pool of ``r``:
-    between disjoint pools ``comm.weight_sync_s`` reads the two pools' GPU counts and not the
-    rollout's TP / PP / EP (one broadcast of the whole model, a cost per tensor, the broadcast
-    group's latency), so this is every generation option's own sync there, known before any is
-    priced. 0 without a trainer size."""
-    model = problem.job.model("actor")
-    return min((weight_sync_s(model, ParallelConfig(dp=s), ParallelConfig(dp=r), problem.cluster, False, problem.params)
-                for s in sizes), default=0.0)
-
-
 def floor_bound(b: TableBuilder, r: int, low: dict, upper: float) -> float:
     """``split_bound`` of the rollout on ``r`` GPUs over floors: ``low`` maps each (unit, pool size)
     group that may hold an option of the size's tables to its floor per phase (``greedy.group_floor``:
-    at most every option's duration); generation's weight sync is ``disjoint_sync_floor`` until its
-    group is priced (every option's sync between disjoint pools depends on the pools' sizes only).
+    at most every option's duration); generation's weight sync counts at 0 until its group is priced.
     Every term is a least value over at most those options, so this is at most ``split_bound`` of the
     size's tightened tables, and a size it puts at or above the incumbent would be skipped."""
     g, tr, rest = b.unit_index(GEN), b.unit_index(ACTOR), b.num_gpus - r
@@ -102,8 +88,7 @@ def floor_bound(b: TableBuilder, r: int, low: dict, upper: float) -> float:
         if us:
             trainer += max(max(fast[u][ph] for u in us), sum(area[u][ph] for u in us) / rest)
     trainer = max([trainer] + [min(sum(f[1:]) for k, f in low.items() if k[0] == u) for u in units if u != g])
-    sizes = {k[1] for k in low if k[0] == tr}
-    rollout, sync = fast[g][0], disjoint_sync_floor(b.problem, r, sizes)
+    rollout, sync = fast[g][0], 0.0
     if (g, r) in b.priced:  # generation's options that tightening may keep: its own test in
         # greedy._prune_pass against the others' floors (at most their least times), so a superset
         spread = [sum(area[u][ph] for u in units if u != g) for ph in range(b.n_phases)]
@@ -113,6 +98,7 @@ def floor_bound(b: TableBuilder, r: int, low: dict, upper: float) -> float:
                 min(o.sync)) <= upper * (1 + BOUND_SLACK)]
         if not keep:
             return math.inf
+        sizes = {k[1] for k in low if k[0] == tr}
         rollout = min(o.durations[0] for o in keep)
         sync = min((b.sync_s(o, s, False) for o in keep for s in sizes), default=0.0)
     return step_time(b.schedule, [rollout, trainer] + [0.0] * (b.n_phases - 2), sync)
@@ -175,12 +161,13 @@ def solve_split_lazy(problem: PlanProblem, b: TableBuilder, hint, backend: str, 
     option they keep survives the cluster-wide tightening too, whose bound is weaker), and a bound
     at least the size's bound there. A size whose bound reaches h is skipped by ``solve_split``
     wherever it comes in the order (its incumbent is at most h, its bound only rises). The sizes left
-    are solved from these tables, ordered by their own bounds (tighter than the cluster-wide tables'
-    that ``solve_split`` orders by when it prices them all): the same optimum and proof; among plans
-    of exactly equal step time on two sizes the order, and so the plan returned, may differ. (Until
-    2026-12-02 two or more sizes left priced everything, to return the very plan of the cluster-wide
-    tables: 8B one_step_off on 1,024 GPUs then took 0.51 s once the cross-pool weight sync, the same
-    for every size, left two sizes within greedy's 0.3%.)"""
+    are solved from these tables: each is the table ``solve_split`` would cut from the cluster-wide
+    ones (``test_each_rollout_size_priced_alone_gets_the_tables_of_the_full_ones``), so its bound,
+    the order of the sizes, the seeding, the cutoffs and the plan are the same, with one size left or
+    several (``test_solving_each_rollout_size_lazily_returns_the_plan_of_the_cluster_wide_tables``:
+    70B on 64 GPUs and 8B one_step_off on 1,024 leave two or more). Until 2026-12-02 two or more sizes
+    left priced every group instead: 8B one_step_off on 1,024 GPUs took 0.51 s once the cross-pool
+    weight sync, the same for every size, left two sizes within greedy's 0.3%."""
     from nereus.planner.solver.greedy import group_floor, price_groups
 
     g, N, h = b.unit_index(GEN), b.num_gpus, hint[0]
