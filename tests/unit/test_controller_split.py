@@ -19,15 +19,15 @@ JOB = replace(load_job(ROOT / "examples/grpo-8b.yaml"), schedule=ScheduleSpec(ki
 CLUSTER = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(128)
 
 
-def _run(means, noise: float = 0.0, seed: int = 0) -> tuple[list[int], int]:
+def _run(means, noise: float = 0.0, seed: int = 0, engine_restart_s: float = 0.0) -> tuple[list[int], int]:
     """Rollout-pool sizes the run went through, and its number of switches."""
     r = random.Random(seed)
     cap = max(int(max(means) * 1.5), JOB.sequence.response_len_max)
     w0 = JOB.workload().with_lengths(mean=means[0], max_=cap)
-    # engine_restart_s=0: steps of a few seconds here would never repay a 48 s engine start over the
+    # by default engine_restart_s=0: steps of a few seconds here would never repay a 48 s engine start over the
     # 30-step horizon; this tests the re-split logic (test_controller_dead_ends tests the engine term)
     ctl = Controller(JOB, CLUSTER, horizon=30, build_transition=False, total_steps=len(means), initial_workload=w0,
-                     engine_restart_s=0.0)
+                     engine_restart_s=engine_restart_s)
     splits, switches = [ctl.plan.stage("actor/generation").gpus], 0
     for step, mean in enumerate(means):
         times = evaluate_times(JOB, CLUSTER, ctl.plan, w0.with_lengths(mean=mean, max_=cap), ctl.base_params).stage_s
@@ -47,6 +47,15 @@ def test_the_rollout_pool_grows_with_the_responses():
     # training's attention (s^2) catches up, and the split may move back part of the way
     assert max(splits) > splits[0] and splits[1] > splits[0], splits
     assert switches <= 4, splits
+
+
+def test_a_new_engine_start_is_not_repaid_by_steps_of_a_few_seconds():
+    """The same growth with the published engine start (``RestartCost.engine_start_s``, 47.85 s) on
+    every re-split: over a 30-step horizon of steps of a few seconds none pays, the split stays."""
+    from nereus.planner.online.restart import RestartCost
+
+    splits, switches = _run([256 * 1.04 ** k for k in range(70)], engine_restart_s=RestartCost().engine_start_s)
+    assert switches == 0 and splits == splits[:1], splits
 
 
 def test_a_flat_noisy_trace_keeps_the_split():
