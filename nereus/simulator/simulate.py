@@ -121,7 +121,7 @@ def _metrics(trace: Trace, i: int, obs: Observation, base_prompt: int, *, retry:
                        prompt_len=base_prompt if r.prompt_len_mean is None else round(r.prompt_len_mean),
                        stage_times=dict(obs.stage_s) if obs.feasible else {}, peak_mem_gib=obs.peak_mem_gib,
                        gpus_available=nxt.gpus, response_len_cap=nxt.cap, oom=not obs.feasible,
-                       oom_stage=obs.oom_stage)
+                       oom_stage=obs.oom_stage, step_s=obs.step_s if obs.feasible else None)
 
 
 class _Run:

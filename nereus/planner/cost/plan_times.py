@@ -92,7 +92,8 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     Memory is counted per GPU: the residents of every model homed on a GPU (pools nest) plus the
     running stage's transient. ``memo``: a dict the caller keeps for one job and one set of
     parameters, where stage estimates are shared between plans that hold a model-stage in the same
-    configuration (the controller re-scores a library of plans that differ in a few stages)."""
+    configuration (the controller re-scores a library of plans that differ in a few stages), and in
+    the same schedule (a job with ``schedule: auto`` holds plans of several)."""
     job = job_for(job, plan)
     usable = cluster.gpu.usable_bytes
     segs = _segments(plan)
@@ -103,7 +104,7 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     def stage_estimate(name: str, cfg: ParallelConfig, budget: float | None = None):
         if memo is None:
             return estimate(job, cluster, name, cfg, w, params, kv_budget_bytes=budget)
-        key = (name, cfg, wkey, budget, cluster)
+        key = (name, cfg, wkey, budget, cluster, job.schedule)  # a streaming rollout prices generation apart
         e = memo.get(key)
         if e is None:
             if len(memo) > 50000:

@@ -3,7 +3,8 @@
 verl logs a flat dict per step (``trainer.fit`` -> ``logger.log(data=metrics, step=...)``) with keys
 such as ``response_length/mean``, ``response_length/max``, ``prompt_length/mean``, ``timing_s/gen``,
 ``timing_s/old_log_prob``, ``timing_s/ref``, ``timing_s/values``, ``timing_s/reward``,
-``timing_s/update_critic``, ``timing_s/update_actor`` and ``perf/max_memory_allocated_gb``.
+``timing_s/update_critic``, ``timing_s/update_actor``, ``timing_s/step`` and
+``perf/max_memory_allocated_gb``.
 OpenRLHF's PPO trainer logs similar per-step stats; its key names vary across versions, so the
 mapping is a parameter (``OPENRLHF_KEYS`` is the default we could check, override as needed).
 
@@ -31,6 +32,7 @@ VERL_STAGE_KEYS: Mapping[str, str] = {
 VERL_KEYS: Mapping[str, str] = {
     "response_len_mean": "response_length/mean", "response_len_max": "response_length/max",
     "prompt_len": "prompt_length/mean", "peak_mem_gib": "perf/max_memory_allocated_gb",
+    "step_s": "timing_s/step",
 }
 OPENRLHF_STAGE_KEYS: Mapping[str, str] = {
     "generate_time": "actor/generation",
@@ -75,10 +77,11 @@ def from_metrics(metrics: Mapping[str, Any], *, step: int, keys: Mapping[str, st
             stages[ms] = stages.get(ms, 0.0) + v
     prompt = _get(metrics, keys["prompt_len"])
     mem = _get(metrics, keys["peak_mem_gib"])
+    step_s = _get(metrics, keys["step_s"]) if "step_s" in keys else None
     return StepMetrics(step=int(step), response_len_mean=mean, response_len_max=int(round(max(mx, mean))),
                        response_len_p90=response_len_p90, prompt_len=None if prompt is None else max(1, round(prompt)),
                        stage_times=stages, peak_mem_gib=None if mem is None else mem * GIB_PER_GB,
-                       gpus_available=gpus_available, response_len_cap=response_len_cap, oom=oom)
+                       gpus_available=gpus_available, response_len_cap=response_len_cap, oom=oom, step_s=step_s)
 
 
 def from_verl(metrics: Mapping[str, Any], *, step: int, **kw: Any) -> StepMetrics:

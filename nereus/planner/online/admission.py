@@ -89,6 +89,8 @@ class AdmissionRules:
     """The gamma rule's drift trigger (``AdmissionConstants.replan_change``)."""
     _gamma_ref: float | None = None
     """The forecast mean response length at the gamma rule's last replan."""
+    _probe_from = None
+    """The plan the last probe left, until the probe's plan has been measured (``_probe_return``)."""
 
     def _must_reason(self, m: StepMetrics, cur: Candidate) -> str:
         if m.oom:
@@ -101,6 +103,9 @@ class AdmissionRules:
 
     def _decide(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str,
                 regime_change: bool) -> Decision:
+        back = self._probe_return(m, cur, cands, must)
+        if back is not None:
+            return back
         d = self._admit(m, cur, cands, must, regime_change)
         # no probe while a switch is pending behind hysteresis, or within min_dwell of the last switch
         if (d.action == "stay" and not must and self.explore and not d.reason.startswith("worth it")
@@ -108,10 +113,49 @@ class AdmissionRules:
             probe = self._probe(m, cur, cands)
             if probe is not None:
                 c, why = probe
+                d_from = self.plan
                 d = self._switch(m, cur, c, "", why)
                 self._probes_left -= 1
                 self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
+                self._probe_from = d_from
         return d
+
+    def _probe_return(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str) -> Decision | None:
+        """The second half of a probe's round trip, priced when the probe was admitted, so neither
+        the margin, min_gain nor hysteresis (which guard switches the model alone argues for)
+        applies. The probed plan is measured for ``min_dwell`` steps: before that, from its second
+        step, go back to the plan the probe left only when the measurement is conclusive (it saves
+        more than the way back at ``confidence`` se of noise, ``_noise_band``); at the end, on the measured means (it
+        saves more than the way back). Otherwise the probe won, and its plan is kept. One noisy
+        step is not a measurement: SIMULATED GRPO-8B on one H200 (``tests/unit/test_shape_calibration.py``),
+        a return after the first step left the ground truth's best generation TP on a step 12%
+        slower than its mean."""
+        frm = self._probe_from
+        if frm is None or (self._on_plan < 1 and not must):
+            return None
+        if must:  # a must-switch picks among every candidate
+            self._probe_from = None
+            return None
+        final = self._on_plan >= self.min_dwell
+        if final:
+            self._probe_from = None
+        elif self._on_plan < 2:  # one step gives no spread: the noise of a config run once is unknown
+            return None
+        back = next((c for c in cands if c.plan.key() == frm.key()), None)
+        if back is None or not back.feasible_next or not math.isfinite(back.horizon_s):
+            return None
+        if not math.isfinite(back.cost_s):
+            back.cost_s = self.transition_cost(self.plan, back.plan)
+        saving = cur.horizon_s - back.horizon_s
+        band = 0.0 if final or self.confidence <= 0 else self._noise_band(back)
+        if not saving - band > back.cost_s:
+            return None
+        self._probe_from = None
+        why = (f"after {self._on_plan} steps on it" if final else
+               f"+ {band:.1f}s of noise ({self.confidence:g} se) after {self._on_plan} step{'s' * (self._on_plan != 1)}")
+        return self._switch(m, cur, back, "", f"probe measured: the plan it left saves {saving:.1f}s over the horizon "
+                                              f"> {back.cost_s:.1f}s to go back {why} (the round trip was priced "
+                                              f"with the probe)")
 
     def _admit(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str,
                regime_change: bool) -> Decision:
@@ -217,6 +261,10 @@ class AdmissionRules:
                 for row in rows:
                     if (name, row) not in src and (se := cal.se(name, row)) > 0:
                         src[name, row] = se
+        comp = [self._composition(p) for p in plans]  # an overlapping schedule's step factor is a source too
+        for x in comp:
+            if x is not None and x[2] > 0:
+                src[x[0], x[1]] = x[2]
         if not src:
             return 0.0
         h = []
@@ -225,10 +273,13 @@ class AdmissionRules:
 
             def diff(name=None, row=None, dlog=0.0, base=base) -> float:
                 out = []
-                for (p, t, st), d in zip(base, deps):
+                for (p, t, st), d, x in zip(base, deps, comp):
                     k = d.get(name, {}).get(row, 0.0) if name is not None else 0.0
-                    out.append(compose_step(self.job, p, {**st, name: st[name] * math.exp(k * dlog)} if k else st,
-                                            t.weight_sync_s))
+                    step = compose_step(self.job, p, {**st, name: st[name] * math.exp(k * dlog)} if k else st,
+                                        t.weight_sync_s)
+                    if x is not None:
+                        step *= x[3] * (math.exp(dlog) if (name, row) == (x[0], x[1]) else 1.0)
+                    out.append(step)
                 return out[0] - out[1]
 
             d0 = diff()
@@ -312,12 +363,19 @@ class AdmissionRules:
         Only when probes are left in this GPU regime, the current plan ran at least 2 steps, and the
         model is visibly wrong (|log(observed/predicted)| >= probe_threshold) on the current config
         of a model-stage the candidate changes to a config never run. The candidate must look
-        plausible (mean prediction within probe_window of the current horizon time) and its
-        optimistic time (factors at mean - probe_kappa sd of the shape model) must save more than a
-        round trip of transitions x (1 + margin) and min_gain."""
+        plausible (mean prediction within probe_window of the current horizon time), and what the
+        probe is expected to gain must pay for a round trip of transitions x (1 + margin) and
+        min_gain: the expected saving over the horizon when the plan is kept only if it wins
+        (``expected_gain``, the saving's spread from the shape model: its optimistic factors at
+        mean - probe_kappa sd), less the expected cost of a crash on its first run (the run's
+        first-run OOM rate x (a step + a relaunch), ``first_run_oom_rate``). A plan predicted 5%
+        slower with a 10% spread gains 2% of the horizon on average, not the 5% its optimistic time
+        promises. SIMULATED ppo-8b on 128 H100s losing a quarter of its GPUs
+        (``benchmarks/simulate_flat_and_dip.py``): with the optimistic time alone, probes paid
+        relaunches for plans measured slower and crashed on a first run."""
         if self._probes_left <= 0 or self._on_plan < 2 or not math.isfinite(cur.horizon_s):
             return None
-        cal, best, best_gain = self.calibration, None, 0.0
+        cal, best, best_gain, best_risk = self.calibration, None, 0.0, 0.0
         for c in cands:
             if not c.feasible_next or c.horizon_s > (1 + self.probe_window) * cur.horizon_s:
                 continue
@@ -331,15 +389,20 @@ class AdmissionRules:
             if not math.isfinite(mean_s):
                 continue
             opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
-            gain = cur.horizon_s - c.horizon_s * opt_s / mean_s
+            # the candidate's horizon time as the shape model doubts it: mean c.horizon_s, and
+            # probe_kappa sd below it at the optimistic factors
+            sd = max(0.0, c.horizon_s * (1 - opt_s / mean_s)) / max(self.probe_kappa, 1e-9)
+            gain = expected_gain(cur.horizon_s - c.horizon_s, sd)
+            risk = self.first_run_oom_rate() * (mean_s + self.crash_restart_s(c.plan))
             cost = c.cost_s if math.isfinite(c.cost_s) else self.transition_cost(self.plan, c.plan)
-            if gain > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain > best_gain:
+            if gain - risk > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain - risk > best_gain:
                 c.cost_s = cost
-                best, best_gain = c, gain
+                best, best_gain, best_risk = c, gain - risk, risk
         if best is None:
             return None
         return best, (f"probe: the model is off by >= {self.probe_threshold:.0%} on the current config; measured, "
-                      f"this plan could save up to {best_gain:.1f}s over the horizon (optimistic), "
+                      f"this plan is expected to save {best_gain:.1f}s over the horizon (the expected gain under the "
+                      f"shape model's doubt, less {best_risk:.1f}s of first-run crash risk) "
                       f"> 2 x {best.cost_s:.1f}s x (1 + {self.margin:g})")
 
     @staticmethod
@@ -389,6 +452,15 @@ class AdmissionRules:
         if best.plan.key() not in self._library:
             self._add(best.plan, best.origin)
         return d
+
+
+def expected_gain(d: float, sd: float) -> float:
+    """E[max(0, d + e)], e ~ N(0, sd): what running a plan whose saving is d on average, give or
+    take sd, gains when one goes back whenever it loses (a probe's round trip)."""
+    if not sd > 0:
+        return max(0.0, d)
+    z = d / sd
+    return d * 0.5 * math.erfc(-z / math.sqrt(2)) + sd * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
 
 def break_even(cur: Candidate, c: Candidate | None, ctl: AdmissionRules) -> float:

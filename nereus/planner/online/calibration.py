@@ -177,6 +177,12 @@ class OnlineCalibration:
         q = self._ratios.get((model_stage, config))
         return 1.2533 * self.noise(model_stage) / math.sqrt(len(q)) if q else 0.0
 
+    def pooled_se(self, model_stage: str) -> float:
+        """Standard error of the log of ``model_stage``'s median over every config (what a config
+        never run takes without features): 1.25 x the noise / sqrt(observations), 0 with none."""
+        q = self._ratios.get(model_stage)
+        return 1.2533 * self.noise(model_stage) / math.sqrt(len(q)) if q else 0.0
+
     def dependence(self, model_stage: str, config: Hashable, features: Sequence[float] | None) -> dict:
         """How the log-factor of ``config`` depends on the log-ratios measured on the configs run
         (config run -> coefficient): a config run on its own median alone; one never run on every

@@ -53,7 +53,7 @@ from typing import Callable
 
 from nereus.errors import NereusError
 from nereus.planner.cost.params import CostParams
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times
+from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, job_for
 from nereus.planner.online.admission import AdmissionRules
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.calibration import OnlineCalibration
@@ -69,7 +69,7 @@ from nereus.planner.online.library import (
     trapezoid,
 )
 from nereus.planner.online.plan_cache import FREE, LayoutRule, PlanCache
-from nereus.planner.online.reserve import MemoryReserve, MemoryReserves
+from nereus.planner.online.reserve import GENERATION, MemoryReserve, MemoryReserves
 from nereus.planner.online.restart import Emitter, RestartCost, RestartMode, restart_seconds
 from nereus.planner.online.types import Decision, StepMetrics
 from nereus.planner.plan import GiB, Plan
@@ -77,6 +77,37 @@ from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 MODES = ("adaptive", "always")
 __all__ = ["Controller", "Decision", "StepMetrics", "MODES", "gen_tp_variants"]
+
+
+def overlap_kind(job: JobSpec, plan: Plan) -> str | None:
+    """The calibration key of ``plan``'s step composition when its stages overlap (an asynchronous
+    schedule: ``"step/one_step_off"``, ``"step/fully_async"``), else None. Stage factors correct
+    each stage; how far the rollout and the trainer really overlap (a streaming rollout's tail, the
+    waits at a sync) only the logged step shows (``StepMetrics.step_s``): a factor per plan run
+    (observed step / the composition of its corrected stages), and for a plan never run the median
+    over the steps of that schedule. SIMULATED GRPO-8B on 128 H100s (r1zero_linear): with stage
+    factors alone the controller priced fully-async splits at 0.6-0.8x the truth's step."""
+    kind = job_for(job, plan).schedule.kind
+    return f"step/{kind}" if kind in ("one_step_off", "fully_async") else None
+
+
+def as_batch(job: JobSpec, plan: Plan) -> Plan:
+    """``plan`` with a fully-asynchronous schedule recorded as one-step-off (the same stages and
+    pools, the rollout generating each batch on its own), else ``plan`` itself. What a loop logs as a
+    step's generation time is the latency of that step's batch, its longest response included
+    (``StepMetrics.stage_times``; the simulator's truth logs the batch's engine run the same way),
+    while the planner prices a streaming rollout by its batch's share of an engine kept full, with
+    no tail of its own: the two differ by 3-5x (SIMULATED GRPO-8B on 128 H100s, r1zero_linear), so a
+    generation factor is learned on the batch-latency prediction of the same config and applied to
+    the streaming one. Learned on the streaming one, it carried that gap (a factor of 3) onto every
+    fully-async plan and made the controller leave a 64 : 64 split the truth runs at 14 s per step
+    for a 96 : 32 one at 18.5 s."""
+    sched = job_for(job, plan).schedule
+    if sched.kind != "fully_async":
+        return plan
+    extras = dict(plan.extras)
+    extras["schedule"] = {"kind": "one_step_off", "staleness": sched.bound}
+    return replace(plan, extras=tuple(extras.items()))
 
 
 class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
@@ -162,6 +193,10 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._ran_at: dict[int, Plan] = {}
         """Per GPU count, the last plan that ran a step there without OOM (back in the library when
         the job is granted that many GPUs again: ``CandidateLibrary._add_ran_here``)."""
+        self._pair = (0.0, 0.0, 0)
+        """The current plan's steps not yet in its step-composition factor: (observed s, composed s, steps)."""
+        self._first_runs = [0, 0]
+        """Plans whose first step this controller saw, and how many of those ran out of memory."""
         self._h = 1
         self._ws0, self._ws, self._offsets_now = self._base_w, [], ()
         """The forecast workloads of the last step and their offsets (the noise band reads them)."""
@@ -284,6 +319,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
                     response_len_p90=None if w.response_len_p90 is None else min(self._bucket(w.response_len_p90), mx))
         pred = self._times(self.plan, w)
         key = self.plan.key()
+        if key not in self.memory.runs and key not in self.memory.struck:  # this plan's first step
+            self._first_runs[0] += 1
+            self._first_runs[1] += bool(m.oom)
         if m.oom:
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
             self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred),
@@ -304,10 +342,28 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         if not m.stage_times or m.oom:
             return
         self._on_plan += 1
+        like = dict(pred.stage_s)
+        batch = as_batch(self.job, self.plan)
+        if batch is not self.plan:  # a streaming rollout's logged generation is its batch's latency
+            like[GENERATION] = self._times(batch, w).stage_s[GENERATION]
         for ms, obs in m.stage_times.items():
-            if ms in pred.stage_s:
+            if ms in like:
                 s = self.plan.stage(ms)
-                self.calibration.update(ms, float(obs), pred.stage_s[ms], stage_key(s), features(s))
+                self.calibration.update(ms, float(obs), like[ms], stage_key(s), features(s))
+        kind = overlap_kind(self.job, self.plan)
+        # how the stages overlap: the step against their composition, in steady state (a plan's first
+        # step fills the pipeline: the trainer waits for a whole first batch, nothing overlaps), two
+        # steps at a time (a batch with a long tail makes one step long and the next one short: the
+        # sd of log step time, SIMULATED GRPO-8B fully-async on 128 H100s, r1zero_linear, is 0.19 per
+        # step and 0.105 per pair of steps, where independent noise would give 0.136)
+        if kind is not None and m.step_s and self._on_plan >= 2:
+            composed = compose_step(self.job, self.plan, self._corrected(self.plan, pred.stage_s), pred.weight_sync_s)
+            o, c, n = self._pair if self._on_plan > 2 else (0.0, 0.0, 0)
+            o, c, n = o + float(m.step_s), c + composed, n + 1
+            if n == 2:
+                self.calibration.update(kind, o, c, self.plan.layout_key())
+                o, c, n = 0.0, 0.0, 0
+            self._pair = (o, c, n)
 
     def _offsets(self, step: int) -> tuple[int, ...]:
         h = self.horizon
@@ -332,7 +388,21 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         t = self._times(plan, w)
         if not self._fits(plan, t) and not (self._proven(plan, w) and all(map(math.isfinite, t.stage_s.values()))):
             return math.inf, False
-        return compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s), True
+        step = compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s)
+        x = self._composition(plan)
+        return (step if x is None else step * x[3]), True
+
+    def _composition(self, plan: Plan) -> tuple[str, object, float, float] | None:
+        """(key, row, standard error of its log, factor) of ``plan``'s step composition on an
+        overlapping schedule (``overlap_kind``): the plan's own steps where it ran, else the
+        schedule's, pooled; None on a sequential one."""
+        kind = overlap_kind(self.job, plan)
+        if kind is None:
+            return None
+        cal, row = self.calibration, plan.layout_key()
+        if cal.seen(kind, row):
+            return kind, row, cal.se(kind, row), cal.factor(kind, row)
+        return kind, None, cal.pooled_se(kind), cal.factor(kind)
 
     def _corrected(self, plan: Plan, stage_s, kappa: float = 0.0) -> dict[str, float]:
         """Stage times x the learned factors (``kappa`` > 0: optimistic by kappa sd where the
@@ -348,7 +418,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
     def _score(self, c: Candidate, ws: list[Workload], offsets: tuple[int, ...]) -> None:
         """Predicted seconds over the horizon (trapezoid over the forecast points), with the plan's
         expected crash-restarts (``MemoryReserves.crash_rate`` x (step + ``restart_seconds``) per
-        step): a plan that ran out of memory 3 times in 20 steps is not faster for its step time."""
+        step): a plan that ran out of memory 3 times in 20 steps is not faster for its step time.
+        A plan never run carries, once, the crash its first step risks (``first_run_oom_rate``)."""
         if c.plan.num_gpus > self.gpus:
             c.horizon_s, c.feasible_next = math.inf, False
             return
@@ -356,10 +427,27 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         c.feasible_next = math.isfinite(times[0])
         p = self.memory.crash_rate(c.plan.key())
         if p > 0:  # expected crash-restarts: per step p x (the step's work lost + a relaunch)
-            crash = restart_seconds(self.job, self.cluster, c.plan, c.plan, self.restart_cost)
+            crash = self.crash_restart_s(c.plan)
             times = [t + p * (t + crash) for t in times]
         c.times = tuple(times)
         c.horizon_s = trapezoid(times, offsets)
+        key = c.plan.key()
+        if key != self.plan.key() and key not in self.memory.runs and key not in self.memory.struck \
+                and math.isfinite(times[0]):  # never run: its first step may crash, as first steps here did
+            c.horizon_s += self.first_run_oom_rate() * (times[0] + self.crash_restart_s(c.plan))
+
+    def first_run_oom_rate(self) -> float:
+        """How often a plan runs out of memory on its first step, as this run measured it: OOMs /
+        (first steps + 1), as ``MemoryReserves.crash_rate`` counts a plan's own: 0 until a first
+        step crashed. The memory model and its reserves judge a plan never run; this says how often
+        that judgement failed here (SIMULATED ppo-8b on 128 H100s, the dip trace of
+        ``benchmarks/simulate_flat_and_dip.py``: 2 of the first 4 plans)."""
+        n, k = self._first_runs
+        return k / (n + 1)
+
+    def crash_restart_s(self, plan: Plan) -> float:
+        """Seconds a crash of ``plan`` costs besides the lost step: a relaunch (``restart_seconds``)."""
+        return restart_seconds(self.job, self.cluster, plan, plan, self.restart_cost)
 
     def transition_cost(self, a: Plan, b: Plan) -> float:
         """Predicted seconds of a -> b (transition planner's estimate, plus ``engine_restart_s`` where

@@ -281,6 +281,9 @@ class CandidateLibrary:
         if self.plan.num_gpus != self.gpus:
             self._add_rescaled(ws[0])
         self._add_ran_here()
+        frm = self._probe_from  # a probe's way back stays at hand until the probe is measured
+        if frm is not None and frm.key() != self.plan.key() and frm.key() not in self._library:
+            self._add(frm, "probe-from")
         cur = self.plan.key()
         cur_s = self._cur_horizon_s
         out = []
