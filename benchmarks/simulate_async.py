@@ -1,6 +1,8 @@
 """SIMULATED: asynchronous baselines beside adaptive re-splitting on the shipped growth traces.
 
     .venv/bin/python benchmarks/simulate_async.py --steps 100 --json benchmarks/results/simulate_async.json
+    .venv/bin/python benchmarks/simulate_async.py --steps 300 --only r1zero_linear --seeds 0 1 2 \
+        --policies static adaptive static-split   # the truth's seed: how much of a difference is luck
 
 examples/grpo-8b.yaml with ``schedule: auto`` (staleness 1) on H100s: r1zero_linear (128 GPUs) and
 deepscaler_staged (8 -> 32 GPUs), every policy of ``nereus simulate --schedule auto --policy all``.
@@ -33,18 +35,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json")
     ap.add_argument("--time-limit", type=float, default=1.0)
+    ap.add_argument("--only", choices=[n for n, _ in RUNS], help="one trace")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="the truth's seeds (sampled lengths, jitter); runs of several are keyed TRACE@seedN")
+    ap.add_argument("--policies", nargs="+", help="a subset of the policies (default: every sync and async one)")
     a = ap.parse_args()
     job = replace(load_job(ROOT / "examples/grpo-8b.yaml"), schedule=ScheduleSpec(kind="auto", staleness=1))
     out = {"label": "SIMULATED", "job": "examples/grpo-8b.yaml (schedule auto, staleness 1)", "gpu": "H100",
            "steps": a.steps, "runs": {}}
+    policies = a.policies or POLICIES + ASYNC_POLICIES
     for name, gpus in RUNS:
+        if a.only and name != a.only:
+            continue
         trace = load_trace(name).head(a.steps)
         cluster = load_cluster(ROOT / "examples/cluster-h100-1n.yaml").with_gpus(gpus)
-        t0 = time.perf_counter()
-        res = simulate(job, cluster, trace, POLICIES + ASYNC_POLICIES, time_limit_s=a.time_limit)
-        out["runs"][name] = {"gpus": gpus, "wall_s": time.perf_counter() - t0,
-                             "policies": {k: r.to_dict() for k, r in res.items()}}
-        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        for seed in a.seeds:
+            key = name if len(a.seeds) == 1 else f"{name}@seed{seed}"
+            t0 = time.perf_counter()
+            res = simulate(job, cluster, trace, policies, time_limit_s=a.time_limit, seed=seed)
+            out["runs"][key] = {"gpus": gpus, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                "policies": {k: r.to_dict() for k, r in res.items()}}
+            print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=float) + "\n")
     print(table(out))
@@ -58,6 +69,8 @@ def table(out: dict) -> str:
         sync = {k: ps[k]["mean_step_s"] for k in SYNC[:4] if k in ps and ps[k]["mean_step_s"] == ps[k]["mean_step_s"]}
         best = min(sync, key=sync.get) if sync else None
         for k in ROWS + ((best,) if best else ()):
+            if k not in ps:
+                continue
             d = ps[k]
             rel = f"{1 - d['mean_step_s'] / sync[best]:+.1%}" if best else "-"
             pct = (lambda x: f"{d[x]:.1%}" if x in d else "-")

@@ -19,10 +19,11 @@ step with what it measured; the answer applies to the next step. Per step:
    switch (hysteresis against flapping on noise). Every plan's seconds include its expected
    crash-restarts (its measured OOM rate x (step + relaunch));
 5. probe (``explore``, adaptive mode): when the model is visibly wrong on the current config of a
-   model-stage and a plausible candidate changes that stage to a config never run, run it once if
-   its optimistic time (shape model at mean - kappa sd) would repay a round trip: the only way to
-   learn that the model's *ranking* of configs is wrong (at most ``max_probes`` per GPU count, 2: the
-   second measures a config the noise band of rule 4 doubts, which waiting would never resolve);
+   model-stage and a plausible candidate changes that stage to a config never run, run it if its
+   expected gain under the shape model's doubt, less its first-run crash risk, would repay a round
+   trip, and come back when it is measured slower: the only way to learn that the model's
+   *ranking* of configs is wrong (at most ``max_probes`` per GPU count, 2: the second measures a
+   config the noise band of rule 4 doubts, which waiting would never resolve);
 6. log every decision with its numbers (``audit.py``).
 
 Memory (``reserve.py``): a plan that ran, and never ran out of memory, is judged by its own measured
