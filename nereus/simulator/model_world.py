@@ -28,9 +28,11 @@ import numpy as np
 
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, workload_key
+from nereus.planner.cost.plan_times import PlanTimes, as_batch, compose_step, evaluate_times, workload_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator.schedules import SCHEDULE_MAX_GPUS
+
+GENERATION = "actor/generation"
 from nereus.simulator.truth.machine import LayoutChangePrices, Observation
 
 TRUE_PARAMS = CostParams(
@@ -84,6 +86,9 @@ class ModelWorld:
         f = self.noise_factors(step)
         stage_s = {ms: t.stage_s[ms] * float(f[i]) for i, ms in enumerate(self._stages)}
         step_s = compose_step(self.job, plan, stage_s, t.weight_sync_s) if t.feasible else math.inf
+        batch = as_batch(self.job, plan)
+        if batch is not plan and GENERATION in stage_s:  # a streaming rollout logs its batch's latency
+            stage_s[GENERATION] = self.times(batch, w).stage_s[GENERATION] * float(f[self._stages.index(GENERATION)])
         return Observation(stage_s, step_s, t.feasible, max(t.peak_mem_gib.values()), w.response_len_mean,
                            w.response_len_max, w.p90, t.violations)
 

@@ -14,7 +14,8 @@ import pytest
 
 from nereus.planner.cost.params import CostParams
 from nereus.planner.cost.plan_times import compose_step, evaluate_times
-from nereus.planner.online.controller import Controller, StepMetrics, as_batch, overlap_kind
+from nereus.planner.cost.plan_times import as_batch, overlap_kind
+from nereus.planner.online.controller import Controller, StepMetrics
 from nereus.planner.schedules import ScheduleSpec
 from nereus.planner.specs import load_cluster, load_job
 

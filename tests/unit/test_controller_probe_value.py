@@ -108,3 +108,70 @@ def test_a_first_step_that_crashed_prices_the_first_step_of_every_plan_never_run
     ctl._score(c, ctl._ws, ctl._offsets_now)
     assert math.isfinite(with_risk) and with_risk > c.horizon_s
     assert with_risk - c.horizon_s == pytest.approx(0.5 * (c.times[0] + ctl.crash_restart_s(c.plan)))
+
+
+def test_a_probes_crash_risk_is_priced_once_and_its_spread_on_the_predicted_step(world, monkeypatch):
+    """The never-run plan's horizon carries its first-run crash risk (``_score``); the probe weighs
+    the expected gain of the horizon without it and subtracts it once."""
+    import nereus.planner.online.admission as adm
+
+    w, gt = world
+    start = _misranking_start(world)
+    ctl = Controller(start.job, start.cluster, params=start.base_params, time_limit_s=2, build_transition=False,
+                     horizon=100, total_steps=100, initial_plan=start.plan)
+    ctl._first_runs = [1, 1]  # as if a first step had crashed: rate 1/2
+    seen, real = {}, adm.expected_gain
+    monkeypatch.setattr(adm, "expected_gain", lambda d, sd: seen.setdefault((d, sd), real(d, sd)))
+    probe = ctl._probe
+
+    def spy(m, cur, cands):
+        out = probe(m, cur, cands)
+        if out is not None:
+            seen["picked"], seen["cur"] = out, cur
+        return out
+
+    monkeypatch.setattr(ctl, "_probe", spy)
+    for step in range(6):
+        obs = gt.observe(ctl.plan, step)
+        ctl.step(StepMetrics(step=step, response_len_mean=obs.response_len_mean, response_len_max=obs.response_len_max,
+                             stage_times=dict(obs.stage_s), peak_mem_gib=obs.peak_mem_gib, gpus_available=8,
+                             response_len_cap=8192))
+        if "picked" in seen:
+            break
+    c, why = seen["picked"]
+    assert c.first_run_s > 0
+    base = c.horizon_s - c.first_run_s
+    gains = [g for k, g in seen.items() if isinstance(k, tuple) and k[0] == pytest.approx(seen["cur"].horizon_s - base)]
+    assert gains, "the expected gain was not taken on the horizon without the crash risk"
+    assert f"less {c.first_run_s:.1f}s of first-run crash risk" in why, why
+    assert f"expected to save {gains[0] - c.first_run_s:.1f}s" in why, why
+
+
+def test_a_rollback_or_any_switch_closes_a_probes_way_back(world):
+    ctl, tp0, out = _run(world, slow=1.0, steps=2)  # the probe is the decision of step 1
+    assert _probe_steps(out) == [1] and ctl._probe_from is not None
+    ctl.report_rollback("transition failed", step=1)
+    assert ctl._probe_from is None and ctl._on_key == 0
+
+
+def test_a_knob_only_switch_restarts_the_steps_counted_on_a_plan(world):
+    from dataclasses import replace as dc_replace
+
+    from nereus.planner.online.library import Candidate
+
+    w, gt = world
+    start = _misranking_start(world)
+    ctl = Controller(start.job, start.cluster, params=start.base_params, time_limit_s=2, build_transition=False,
+                     horizon=100, total_steps=100, initial_plan=start.plan, explore=False)
+    for step in range(3):
+        obs = gt.observe(ctl.plan, step)
+        ctl.step(StepMetrics(step=step, response_len_mean=obs.response_len_mean, response_len_max=obs.response_len_max,
+                             stage_times=dict(obs.stage_s), gpus_available=8, response_len_cap=8192))
+    assert ctl._on_key == ctl._on_plan == 3
+    s = ctl.plan.stages[-1]
+    knob = dc_replace(ctl.plan, stages=ctl.plan.stages[:-1] + (
+        dc_replace(s, config=dc_replace(s.config, micro_batch=2 * s.config.micro_batch)),))
+    assert knob.layout_key() == ctl.plan.layout_key() and knob.key() != ctl.plan.key()
+    m = StepMetrics(step=3, response_len_mean=w.response_len_mean, response_len_max=w.response_len_max)
+    ctl._switch(m, Candidate(ctl.plan, "current"), Candidate(knob, "test"), "", "test")
+    assert ctl._on_key == 0 and ctl._on_plan == 3  # the layout's steps go on; the plan's start over

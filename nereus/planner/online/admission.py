@@ -108,16 +108,18 @@ class AdmissionRules:
             return back
         d = self._admit(m, cur, cands, must, regime_change)
         # no probe while a switch is pending behind hysteresis, or within min_dwell of the last switch
+        # nor while the last probe's way back is still open
         if (d.action == "stay" and not must and self.explore and not d.reason.startswith("worth it")
-                and m.step - self._last_switch >= self.min_dwell):
+                and m.step - self._last_switch >= self.min_dwell and self._probe_from is None):
             probe = self._probe(m, cur, cands)
             if probe is not None:
                 c, why = probe
                 d_from = self.plan
                 d = self._switch(m, cur, c, "", why)
-                self._probes_left -= 1
-                self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
-                self._probe_from = d_from
+                if d.action == "switch":
+                    self._probes_left -= 1
+                    self._last_switch = m.step - self.min_dwell  # free to go back as soon as the probe is measured
+                    self._probe_from = d_from
         return d
 
     def _probe_return(self, m: StepMetrics, cur: Candidate, cands: list[Candidate], must: str) -> Decision | None:
@@ -131,15 +133,15 @@ class AdmissionRules:
         a return after the first step left the ground truth's best generation TP on a step 12%
         slower than its mean."""
         frm = self._probe_from
-        if frm is None or (self._on_plan < 1 and not must):
+        if frm is None or (self._on_key < 1 and not must):
             return None
         if must:  # a must-switch picks among every candidate
             self._probe_from = None
             return None
-        final = self._on_plan >= self.min_dwell
+        final = self._on_key >= self.min_dwell
         if final:
             self._probe_from = None
-        elif self._on_plan < 2:  # one step gives no spread: the noise of a config run once is unknown
+        elif self._on_key < 2:  # one step gives no spread: the noise of a config run once is unknown
             return None
         back = next((c for c in cands if c.plan.key() == frm.key()), None)
         if back is None or not back.feasible_next or not math.isfinite(back.horizon_s):
@@ -151,8 +153,8 @@ class AdmissionRules:
         if not saving - band > back.cost_s:
             return None
         self._probe_from = None
-        why = (f"after {self._on_plan} steps on it" if final else
-               f"+ {band:.1f}s of noise ({self.confidence:g} se) after {self._on_plan} step{'s' * (self._on_plan != 1)}")
+        why = (f"after {self._on_key} steps on it" if final else
+               f"+ {band:.1f}s of noise ({self.confidence:g} se) after {self._on_key} steps")
         return self._switch(m, cur, back, "", f"probe measured: the plan it left saves {saving:.1f}s over the horizon "
                                               f"> {back.cost_s:.1f}s to go back {why} (the round trip was priced "
                                               f"with the probe)")
@@ -386,14 +388,17 @@ class AdmissionRules:
                 continue
             t = self._times(c.plan, self._ws0)
             mean_s = self.predict(c.plan, self._ws0)[0]
-            if not math.isfinite(mean_s):
+            if not (math.isfinite(mean_s) and mean_s > 0):
                 continue
             opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
-            # the candidate's horizon time as the shape model doubts it: mean c.horizon_s, and
-            # probe_kappa sd below it at the optimistic factors
-            sd = max(0.0, c.horizon_s * (1 - opt_s / mean_s)) / max(self.probe_kappa, 1e-9)
-            gain = expected_gain(cur.horizon_s - c.horizon_s, sd)
-            risk = self.first_run_oom_rate() * (mean_s + self.crash_restart_s(c.plan))
+            x = self._composition(c.plan)  # the step composition predict() applies, applied alike
+            opt_s *= 1.0 if x is None else x[3]
+            # the candidate's horizon time as the shape model doubts it: its mean (without the crash
+            # risk _score added, priced once below), and probe_kappa sd below it at the optimistic factors
+            base = c.horizon_s - c.first_run_s
+            sd = max(0.0, base * (1 - opt_s / mean_s)) / max(self.probe_kappa, 1e-9)
+            gain = expected_gain(cur.horizon_s - base, sd)
+            risk = c.first_run_s
             cost = c.cost_s if math.isfinite(c.cost_s) else self.transition_cost(self.plan, c.plan)
             if gain - risk > max(self.min_gain * cur.horizon_s, 2 * cost * (1 + self.margin)) and gain - risk > best_gain:
                 c.cost_s = cost
@@ -435,6 +440,7 @@ class AdmissionRules:
                     self._streak = ((), 0)
                     return self._stay(cur, best, "", f"worth it, but {tight}")
                 reason += f"; warning: {tight}"
+        self._probe_from = None  # a switch closes the last probe's way back (a probe sets it again after)
         d = Decision(action="switch", plan=best.plan, transition=trans, predicted_cost_s=best.cost_s,
                      saving_per_step_s=self._per_step(cur, best), break_even_steps=break_even(cur, best, self),
                      reason=f"{reason} [{best.origin}]", must=bool(must))
@@ -444,6 +450,8 @@ class AdmissionRules:
         self._last_engine_s = self._engine_s.get((self.plan.layout_key(), best.plan.layout_key()), 0.0)
         if best.plan.layout_key() != self.plan.layout_key():
             self._on_plan = 0
+        if best.plan.key() != self.plan.key():
+            self._on_key = 0
         if best.origin == "re-pool":
             self.rule = replace(self.rule, anchor=best.plan)
         self._streak = ((), 0)

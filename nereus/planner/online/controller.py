@@ -54,7 +54,7 @@ from typing import Callable
 
 from nereus.errors import NereusError
 from nereus.planner.cost.params import CostParams
-from nereus.planner.cost.plan_times import PlanTimes, compose_step, evaluate_times, job_for
+from nereus.planner.cost.plan_times import PlanTimes, as_batch, compose_step, evaluate_times, overlap_kind
 from nereus.planner.online.admission import AdmissionRules
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.calibration import OnlineCalibration
@@ -78,37 +78,6 @@ from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
 MODES = ("adaptive", "always")
 __all__ = ["Controller", "Decision", "StepMetrics", "MODES", "gen_tp_variants"]
-
-
-def overlap_kind(job: JobSpec, plan: Plan) -> str | None:
-    """The calibration key of ``plan``'s step composition when its stages overlap (an asynchronous
-    schedule: ``"step/one_step_off"``, ``"step/fully_async"``), else None. Stage factors correct
-    each stage; how far the rollout and the trainer really overlap (a streaming rollout's tail, the
-    waits at a sync) only the logged step shows (``StepMetrics.step_s``): a factor per plan run
-    (observed step / the composition of its corrected stages), and for a plan never run the median
-    over the steps of that schedule. SIMULATED GRPO-8B on 128 H100s (r1zero_linear): with stage
-    factors alone the controller priced fully-async splits at 0.6-0.8x the truth's step."""
-    kind = job_for(job, plan).schedule.kind
-    return f"step/{kind}" if kind in ("one_step_off", "fully_async") else None
-
-
-def as_batch(job: JobSpec, plan: Plan) -> Plan:
-    """``plan`` with a fully-asynchronous schedule recorded as one-step-off (the same stages and
-    pools, the rollout generating each batch on its own), else ``plan`` itself. What a loop logs as a
-    step's generation time is the latency of that step's batch, its longest response included
-    (``StepMetrics.stage_times``; the simulator's truth logs the batch's engine run the same way),
-    while the planner prices a streaming rollout by its batch's share of an engine kept full, with
-    no tail of its own: the two differ by 3-5x (SIMULATED GRPO-8B on 128 H100s, r1zero_linear), so a
-    generation factor is learned on the batch-latency prediction of the same config and applied to
-    the streaming one. Learned on the streaming one, it carried that gap (a factor of 3) onto every
-    fully-async plan and made the controller leave a 64 : 64 split the truth runs at 14 s per step
-    for a 96 : 32 one at 18.5 s."""
-    sched = job_for(job, plan).schedule
-    if sched.kind != "fully_async":
-        return plan
-    extras = dict(plan.extras)
-    extras["schedule"] = {"kind": "one_step_off", "staleness": sched.bound}
-    return replace(plan, extras=tuple(extras.items()))
 
 
 class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
@@ -194,6 +163,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._ran_at: dict[int, Plan] = {}
         """Per GPU count, the last plan that ran a step there without OOM (back in the library when
         the job is granted that many GPUs again: ``CandidateLibrary._add_ran_here``)."""
+        self._on_key = 0
+        """Clean steps on the current plan (its key: layout and knobs) since it started or the job
+        last relaunched after an OOM (the probe's way back and the step composition count these)."""
         self._pair = (0.0, 0.0, 0)
         """The current plan's steps not yet in its step-composition factor: (observed s, composed s, steps)."""
         self._first_runs = [0, 0]
@@ -261,7 +233,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         failed, self.plan, self._prev_plan = self.plan, prev, None
         if prev.key() not in self._library:  # the library always holds the current plan
             self._add(prev, "rollback")
-        self._on_plan = 0
+        self._on_plan = self._on_key = 0
+        self._probe_from = None  # the probe, if that switch was one, did not run
         self._streak = ((), 0)
         self.audit.record({"step": step, "decision": "rollback", "reason": reason, "plan": layout(prev),
                            "failed_plan": layout(failed)})
@@ -298,10 +271,10 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             hit = self._keys[id(plan)] = (plan, tuple((s.name, stage_key(s), features(s)) for s in plan.stages))
         return hit[1]
 
-    def _times(self, plan: Plan, w: Workload) -> PlanTimes:
+    def _times(self, plan: Plan, w: Workload, judged_as: Plan | None = None) -> PlanTimes:
         """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
-        reserve (cached per plan, workload and reserve)."""
-        r = self._reserve_for(plan)
+        reserve (``judged_as``'s where given; cached per plan, workload and reserve)."""
+        r = self._reserve_for(judged_as or plan)
         key = (plan.key(), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, r)
         t = self._eval.get(key)
         if t is None:
@@ -320,10 +293,11 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
                     response_len_p90=None if w.response_len_p90 is None else min(self._bucket(w.response_len_p90), mx))
         pred = self._times(self.plan, w)
         key = self.plan.key()
-        if key not in self.memory.runs and key not in self.memory.struck:  # this plan's first step
+        if self._never_run(self.plan) and self._fits(self.plan, pred):  # the first step of a plan judged to fit
             self._first_runs[0] += 1
             self._first_runs[1] += bool(m.oom)
         if m.oom:
+            self._on_key = 0  # the job relaunches: its next step fills the pipeline again
             stage = m.oom_stage if m.oom_stage in pred.peak_mem_gib else None
             self.memory.oom(key, pred.peak_mem_gib, stage, judged_fit=self._fits(self.plan, pred),
                             configs=self._configs(self.plan))
@@ -343,10 +317,11 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         if not m.stage_times or m.oom:
             return
         self._on_plan += 1
+        self._on_key += 1
         like = dict(pred.stage_s)
         batch = as_batch(self.job, self.plan)
         if batch is not self.plan:  # a streaming rollout's logged generation is its batch's latency
-            like[GENERATION] = self._times(batch, w).stage_s[GENERATION]
+            like[GENERATION] = self._times(batch, w, judged_as=self.plan).stage_s[GENERATION]
         for ms, obs in m.stage_times.items():
             if ms in like:
                 s = self.plan.stage(ms)
@@ -357,9 +332,9 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         # steps at a time (a batch with a long tail makes one step long and the next one short: the
         # sd of log step time, SIMULATED GRPO-8B fully-async on 128 H100s, r1zero_linear, is 0.19 per
         # step and 0.105 per pair of steps, where independent noise would give 0.136)
-        if kind is not None and m.step_s and self._on_plan >= 2:
+        if kind is not None and m.step_s and self._on_key >= 2:
             composed = compose_step(self.job, self.plan, self._corrected(self.plan, pred.stage_s), pred.weight_sync_s)
-            o, c, n = self._pair if self._on_plan > 2 else (0.0, 0.0, 0)
+            o, c, n = self._pair if self._on_key > 2 else (0.0, 0.0, 0)
             o, c, n = o + float(m.step_s), c + composed, n + 1
             if n == 2:
                 self.calibration.update(kind, o, c, self.plan.layout_key())
@@ -432,10 +407,16 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             times = [t + p * (t + crash) for t in times]
         c.times = tuple(times)
         c.horizon_s = trapezoid(times, offsets)
-        key = c.plan.key()
-        if key != self.plan.key() and key not in self.memory.runs and key not in self.memory.struck \
-                and math.isfinite(times[0]):  # never run: its first step may crash, as first steps here did
-            c.horizon_s += self.first_run_oom_rate() * (times[0] + self.crash_restart_s(c.plan))
+        if c.plan.key() != self.plan.key() and self._never_run(c.plan) and math.isfinite(times[0]):
+            # never run: its first step may crash, as first steps here did
+            c.first_run_s = self.first_run_oom_rate() * (times[0] + self.crash_restart_s(c.plan))
+            c.horizon_s += c.first_run_s
+
+    def _never_run(self, plan: Plan) -> bool:
+        """Judged by the memory model alone: never ran, never ran out of memory, and no measurement
+        of its own or inherited (a rescaled plan is judged by its parent's, ``MemoryReserves.inherit``)."""
+        key, mem = plan.key(), self.memory
+        return key not in mem.runs and key not in mem.struck and key not in mem.measured
 
     def first_run_oom_rate(self) -> float:
         """How often a plan runs out of memory on its first step, as this run measured it: OOMs /

@@ -34,6 +34,8 @@ class Candidate:
     """Predicted step time at each forecast point of the horizon (inf where it does not fit)."""
     spare_gib: float = math.nan
     """A fallback's GiB to spare on its tightest model-stage next step (negative: short)."""
+    first_run_s: float = 0.0
+    """The expected crash of its first step, in ``horizon_s`` (a plan never run; ``Controller._score``)."""
 
     @property
     def net_s(self) -> float:
