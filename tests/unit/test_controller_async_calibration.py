@@ -93,3 +93,20 @@ def test_without_a_logged_step_nothing_is_learned_of_the_composition(start):
     t = evaluate_times(JOB, CLUSTER, ctl.plan, w, ctl.base_params)
     assert ctl.predict(ctl.plan, w)[0] == pytest.approx(
         compose_step(JOB, ctl.plan, ctl._corrected(ctl.plan, t.stage_s), t.weight_sync_s), rel=1e-9)
+
+
+def test_a_layout_never_run_takes_the_spread_between_the_layouts_run():
+    """The pooled step-composition factor's uncertainty holds the spread between the layouts
+    measured, not only their measurement noise: a layout never run may be any of them."""
+    from nereus.planner.online.calibration import OnlineCalibration
+
+    cal = OnlineCalibration()
+    for a, b in ((1.0, 1.02), (1.02, 1.0), (1.0, 1.02)):  # two layouts, 1.01 and 1.5 on average
+        cal.update("step/fully_async", a, 1.0, "A")
+        cal.update("step/fully_async", 1.5 * b, 1.0, "B")
+    noise_only = 1.2533 * cal.noise("step/fully_async") / 6 ** 0.5
+    assert cal.pooled_se("step/fully_async") > 10 * noise_only
+    one = OnlineCalibration()
+    for a in (1.0, 1.02, 1.0):
+        one.update("step/fully_async", a, 1.0, "A")
+    assert one.pooled_se("step/fully_async") == pytest.approx(1.2533 * one.noise("step/fully_async") / 3 ** 0.5)

@@ -178,10 +178,16 @@ class OnlineCalibration:
         return 1.2533 * self.noise(model_stage) / math.sqrt(len(q)) if q else 0.0
 
     def pooled_se(self, model_stage: str) -> float:
-        """Standard error of the log of ``model_stage``'s median over every config (what a config
-        never run takes without features): 1.25 x the noise / sqrt(observations), 0 with none."""
+        """Uncertainty of the log of ``model_stage``'s median over every config, as the factor of a
+        config never run (what it takes without features): the standard error of that median
+        (1.25 x the noise / sqrt(observations)) and, in quadrature, the spread between the configs
+        run (a config never run may be any of them; 0 with one); 0 with no observation."""
         q = self._ratios.get(model_stage)
-        return 1.2533 * self.noise(model_stage) / math.sqrt(len(q)) if q else 0.0
+        if not q:
+            return 0.0
+        run = [math.log(f) for key, f in self._factor.items() if isinstance(key, tuple) and key[0] == model_stage]
+        between = float(np.std(run, ddof=1)) if len(run) >= 2 else 0.0
+        return math.hypot(1.2533 * self.noise(model_stage) / math.sqrt(len(q)), between)
 
     def dependence(self, model_stage: str, config: Hashable, features: Sequence[float] | None) -> dict:
         """How the log-factor of ``config`` depends on the log-ratios measured on the configs run
