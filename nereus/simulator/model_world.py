@@ -31,9 +31,9 @@ from nereus.planner.plan import Plan
 from nereus.planner.cost.plan_times import PlanTimes, as_batch, compose_step, evaluate_times, workload_key
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator.schedules import SCHEDULE_MAX_GPUS
+from nereus.simulator.truth.machine import LayoutChangePrices, Observation
 
 GENERATION = "actor/generation"
-from nereus.simulator.truth.machine import LayoutChangePrices, Observation
 
 TRUE_PARAMS = CostParams(
     mfu_train=0.37, mfu_prefill=0.50, mfu_decode=0.40, hbm_eff=0.72, intra_link_eff=0.70,

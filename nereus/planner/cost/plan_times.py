@@ -45,8 +45,10 @@ def overlap_kind(job: JobSpec, plan: Plan) -> str | None:
     each stage; how far the rollout and the trainer really overlap (a streaming rollout's tail, the
     waits at a sync) only the logged step shows (``StepMetrics.step_s``): a factor per layout run
     (the median of its last 15 pairs of steps, observed / the composition of its corrected stages),
-    and for a layout never run the median of the last 15 pairs over the layouts of that schedule. SIMULATED GRPO-8B on 128 H100s (r1zero_linear): with stage
-    factors alone the controller priced fully-async splits at 0.6-0.8x the truth's step."""
+    and for a layout never run the median of the last 15 pairs over the layouts of that schedule.
+    SIMULATED GRPO-8B on 128 H100s (r1zero_linear; measured ad hoc, docs/notes-round.md): the
+    planner's uncorrected fully-async step was 0.50-0.65x the truth's, a gap stage factors cannot
+    express."""
     kind = job_for(job, plan).schedule.kind
     return f"step/{kind}" if kind in ("one_step_off", "fully_async") else None
 
@@ -57,11 +59,11 @@ def as_batch(job: JobSpec, plan: Plan) -> Plan:
     step's generation time is the latency of that step's batch, its longest response included
     (``StepMetrics.stage_times``; the simulator's truth logs the batch's engine run the same way),
     while the planner prices a streaming rollout by its batch's share of an engine kept full, with
-    no tail of its own: the two differ by 3-5x (SIMULATED GRPO-8B on 128 H100s, r1zero_linear), so a
-    generation factor is learned on the batch-latency prediction of the same config and applied to
-    the streaming one. Learned on the streaming one, it carried that gap (a factor of 3) onto every
-    fully-async plan and made the controller leave a 64 : 64 split the truth runs at 14 s per step
-    for a 96 : 32 one at 18.5 s."""
+    no tail of its own: the two differ by 3-5x (SIMULATED GRPO-8B on 128 H100s, r1zero_linear,
+    measured ad hoc with ``evaluate_times`` on the run's plans, docs/notes-round.md), so a generation
+    factor is learned on the batch-latency prediction of the same config and applied to the
+    streaming one. Learned on the streaming one, it carried that gap (a factor of about 3) onto
+    every fully-async plan (``tests/unit/test_controller_async_calibration.py`` checks the factor)."""
     sched = job_for(job, plan).schedule
     if sched.kind != "fully_async":
         return plan

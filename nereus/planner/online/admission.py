@@ -391,7 +391,7 @@ class AdmissionRules:
             if not (math.isfinite(mean_s) and mean_s > 0):
                 continue
             opt_s = compose_step(self.job, c.plan, self._corrected(c.plan, t.stage_s, self.probe_kappa), t.weight_sync_s)
-            x = self._composition(c.plan)  # the step composition predict() applies, applied alike
+            x = self._composition(c.plan, se=False)  # the step composition predict() applies, applied alike
             opt_s *= 1.0 if x is None else x[3]
             # the candidate's horizon time as the shape model doubts it: its mean (without the crash
             # risk _score added, priced once below), and probe_kappa sd below it at the optimistic factors

@@ -365,20 +365,21 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         if not self._fits(plan, t) and not (self._proven(plan, w) and all(map(math.isfinite, t.stage_s.values()))):
             return math.inf, False
         step = compose_step(self.job, plan, self._corrected(plan, t.stage_s), t.weight_sync_s)
-        x = self._composition(plan)
+        x = self._composition(plan, se=False)
         return (step if x is None else step * x[3]), True
 
-    def _composition(self, plan: Plan) -> tuple[str, object, float, float] | None:
+    def _composition(self, plan: Plan, se: bool = True) -> tuple[str, object, float, float] | None:
         """(key, row, standard error of its log, factor) of ``plan``'s step composition on an
         overlapping schedule (``overlap_kind``): the plan's own steps where it ran, else the
-        schedule's, pooled; None on a sequential one."""
+        schedule's, pooled; None on a sequential one. ``se`` False: the error is not computed (0;
+        ``predict``, on every candidate and forecast point, needs the factor only)."""
         kind = overlap_kind(self.job, plan)
         if kind is None:
             return None
         cal, row = self.calibration, plan.layout_key()
         if cal.seen(kind, row):
-            return kind, row, cal.se(kind, row), cal.factor(kind, row)
-        return kind, None, cal.pooled_se(kind), cal.factor(kind)
+            return kind, row, cal.se(kind, row) if se else 0.0, cal.factor(kind, row)
+        return kind, None, cal.pooled_se(kind) if se else 0.0, cal.factor(kind)
 
     def _corrected(self, plan: Plan, stage_s, kappa: float = 0.0) -> dict[str, float]:
         """Stage times x the learned factors (``kappa`` > 0: optimistic by kappa sd where the
@@ -422,8 +423,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         """How often a plan runs out of memory on its first step, as this run measured it: OOMs /
         (first steps + 1), as ``MemoryReserves.crash_rate`` counts a plan's own: 0 until a first
         step crashed. The memory model and its reserves judge a plan never run; this says how often
-        that judgement failed here (SIMULATED ppo-8b on 128 H100s, the dip trace of
-        ``benchmarks/simulate_flat_and_dip.py``: 2 of the first 4 plans)."""
+        that judgement failed here (``benchmarks/simulate_flat_and_dip.py``'s dip trace, SIMULATED:
+        the first plan of every policy runs out of memory on step 0)."""
         n, k = self._first_runs
         return k / (n + 1)
 
