@@ -111,22 +111,28 @@ def _run_round(x: Exchange, views: list[torch.Tensor], store: ShardStore, rank: 
 def _copy_locally(x: Exchange, views: list[torch.Tensor], sums: list, counters: dict,
                   corrupt: "_Corruption | None") -> list[tuple[Region, int, int]]:
     """Run this exchange's local copies; (piece, its source's checksum, its target's checksum
-    after the copy) each. The sources no message carried are hashed first, together, from the
-    source regions; on the host each target is hashed right after its copy (its bytes still in
-    cache); on a device every target is hashed after the copies, one read-back for all, not 2
-    host syncs per copy."""
+    after the copy) each. On the host a source no message carried is hashed from its source
+    region right before its copy, and each target right after it, so the copy and the target's
+    hash read bytes in cache (the source is read from memory once, not twice: 11-19% less CPU for
+    56 MB of 0.1-8 MiB copies, measured ad hoc in one process); on a device the sources are hashed
+    together first and every target after the copies, one read-back each, not 2 host syncs per
+    copy."""
     if not x.copies:
         return []
     first, end, fresh = x.copy_sums
-    if fresh:
-        sums[first:end] = checksum_mod.checksums_of([views[i] for i in fresh])
     have: list[int] = []
     host = checksum_mod.on_host(views[x.copies[0][1]])
+    if fresh and not host:
+        sums[first:end] = checksum_mod.checksums_of([views[i] for i in fresh])
     hash_one = checksum_mod.host_sums
+    nxt = first  # on the host, the next source checksum no message took: taken right before its copy
     copied = 0
-    for src, dst, _, nbytes, _ in x.copies:
-        target = views[dst]
-        target.copy_(views[src])
+    for src, dst, h, nbytes, _ in x.copies:
+        target, source = views[dst], views[src]
+        if host and h >= nxt:  # ids of copies' own sources follow the copies' order (program._hash_plan)
+            sums[h], = hash_one([source])  # from the source region, which the copy then reads from cache
+            nxt = h + 1
+        target.copy_(source)
         if corrupt is not None and corrupt.armed("corrupt-copy") and target.numel():
             _flip_bit(target)  # the fault: a bit of the first copy's first element flipped after the copy
             corrupt.fired = True
