@@ -187,6 +187,13 @@ class CostParams:
     ``benchmarks/results/verl_dispatch.json``). Published figures for the same path bracket it:
     0.3-0.4 GB/s serialising a DataProto (verl#3425), 0.18 GB/s through Ray put + get (miles#591),
     0.05 GB/s in one small benchmark (verl#2847) (``docs/research/verl_dispatch_cost.csv``)."""
+    grad_resident_frac: float = 1.0
+    """The share of a trained model's gradient bytes held between optimizer steps (outside its
+    training stage): 1, a persistent gradient buffer (Megatron's contiguous ``grad_buffer``), so the
+    gradients are resident through generation and inference too; 0, gradients freed after every
+    optimizer step (``param.grad = None``: Nereus's executor, ``executor.engine``; PyTorch's
+    ``zero_grad(set_to_none=True)``), so they count only while the training stage runs (its
+    transient memory)."""
     optimizer_bytes_per_param: float = 32.0
     """HBM bytes an AdamW step moves per parameter it updates (read grad, master, m, v; write
     master, m, v, param)."""
@@ -218,6 +225,8 @@ class CostParams:
                 raise SpecError(f"cost params: {f.name} must be a finite number >= 0, got {v!r}")
         if self.mem_fragmentation < 1:
             raise SpecError(f"cost params: mem_fragmentation must be >= 1 (reserved >= allocated), got {self.mem_fragmentation}")
+        if self.grad_resident_frac > 1:
+            raise SpecError(f"cost params: grad_resident_frac must be in [0, 1], got {self.grad_resident_frac}")
         for f in ("mfu_train", "mfu_train_fp8", "power_cap_flops_scale", "mfu_prefill", "mfu_decode", "mfu_attn", "hbm_eff", "intra_link_eff",
                   "inter_link_eff", "kv_mem_util"):
             if not 0 < getattr(self, f) <= 1:

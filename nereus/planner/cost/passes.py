@@ -271,6 +271,10 @@ def estimate_training(job: JobSpec, cluster: ClusterSpec, ms: str, model: ModelS
     transient = {"activations": s.act_recompute if rc else s.act, "logits": s.logits,
                  "fsdp_unsharded": fsdp_unsharded_bytes(psi, cfg, s.layers_here, model.dtype_bytes),
                  "workspace": p.workspace_gib * GiB}
+    if p.grad_resident_frac < 1:  # gradients freed after each optimizer step exist only while training runs
+        freed = resident["grads"] * (1 - p.grad_resident_frac)
+        resident["grads"] -= freed
+        transient["grads_in_training"] = freed
     return finish(ms, cfg, t, "training", p, resident, transient, cluster)
 
 
