@@ -58,6 +58,19 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
     # more than this batch's n, but never more than the staleness bound lets it run ahead: at most
     # 1 + staleness batches in flight
     in_flight = n * (1 + job.schedule.bound) if streaming else n
+    if job.rollout.engine == "static":
+        # a static batch (Hugging Face ``generate``, the reference executor) takes its rows at once,
+        # at most max_num_seqs of them, and allocates their KV whatever room there is: it does not
+        # shrink the batch to the KV budget as a paged engine's scheduler does, so short of room it
+        # runs out of memory
+        batch = max(1, min(n, job.rollout.max_num_seqs))
+        if batch * per_seq_peak * kvg > kv_budget_bytes:
+            kv = batch * per_seq_peak * kvg
+            need = weights + workspace + kv
+            return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, need,
+                                 {"weights": weights, "kv_cache": kv, "workspace": workspace}, gpu.usable_bytes, 0,
+                                 (f"a static batch of {batch} {per_seq_peak}-token sequences needs {kv / GiB:.3f} GiB "
+                                  f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.3f} GiB left",))
     concurrency = max(1, min(in_flight, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
                                    concurrency, job.rollout.enforce_eager, streaming, cfg.ep)

@@ -157,7 +157,8 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
         return max((r for seg, r in resident.items() if _covers(s, seg)), default=0.0)
 
     gen = plan.stage("actor/generation")
-    gen_fixed = est_fixed_gen_bytes(job, cluster, gen.config, params)
+    shared = shares_training_weights(job, plan)
+    gen_fixed = est_fixed_gen_bytes(job, cluster, gen.config, params, shared)
     budget = usable * engine_memory_util(job, params) - most_resident(gen) - gen_fixed
     est[gen.name] = stage_estimate(gen.name, gen.config, budget)
     violations = []
@@ -165,6 +166,8 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     for s in plan.stages:
         e = est[s.name]
         mem = most_resident(s) + e.transient_bytes
+        if shared and s is gen:  # generation reads the training shards: no copy of its own
+            mem -= e.mem_breakdown.get("weights", 0.0)
         peak[s.name] = mem / GiB
         if mem > usable or not math.isfinite(e.time_s):
             violations.append(f"{s.name} {s.config.label()} needs {mem / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB"
@@ -176,8 +179,25 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     return PlanTimes(stage_s, sync, step, not violations, peak, tuple(violations))
 
 
-def est_fixed_gen_bytes(job: JobSpec, cluster: ClusterSpec, cfg: ParallelConfig, params: CostParams) -> float:
-    """Generation weights + workspace per GPU (what the engine holds besides the KV cache)."""
-    return 2 * params_per_gpu(job.model("actor"), cfg.tp, cfg.pp) + params.workspace_gib * GiB
+def est_fixed_gen_bytes(job: JobSpec, cluster: ClusterSpec, cfg: ParallelConfig, params: CostParams,
+                        shared: bool = False) -> float:
+    """Generation weights + workspace per GPU (what the engine holds besides the KV cache); the
+    weights in the model's dtype (``generation.estimate_generation`` counts them so), none when
+    generation reads the training shards (``shares_training_weights``)."""
+    model = job.model("actor")
+    weights = 0.0 if shared else model.dtype_bytes * params_per_gpu(model, cfg.tp, cfg.pp)
+    return weights + params.workspace_gib * GiB
+
+
+def shares_training_weights(job: JobSpec, plan: Plan) -> bool:
+    """Whether ``plan``'s generation runs on the actor's training shards instead of a copy of its
+    own: a static-batch engine (Hugging Face ``generate`` on the training model, Nereus's reference
+    executor: ``demo.worker``) on the GPUs and in the layout (TP, PP, DP) of actor training. A
+    paged engine (vLLM, SGLang) always holds its own copy."""
+    if job.rollout.engine != "static":
+        return False
+    g, t = plan.stage("actor/generation"), plan.home("actor")
+    return ((g.first_gpu, g.gpus, g.config.tp, g.config.pp, g.config.dp)
+            == (t.first_gpu, t.gpus, t.config.tp, t.config.pp, t.config.dp))
 
 
