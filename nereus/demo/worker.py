@@ -30,7 +30,8 @@ from nereus.executor.memory import MemoryMeter
 from nereus.executor.optim import AdamW
 from nereus.executor.store import ShardStore
 from nereus.executor.transport import DistTransport
-from nereus.planner.plan import Plan, StagePlacement
+from nereus.planner.cost.plan_times import same_layout
+from nereus.planner.plan import Plan
 
 GiB = 1024**3
 
@@ -122,11 +123,6 @@ class _Sync:
         return self.cache[key]
 
 
-def _same_layout(a: StagePlacement, b: StagePlacement) -> bool:
-    return (a.first_gpu, a.gpus, a.config.tp, a.config.pp, a.config.dp) == (b.first_gpu, b.gpus, b.config.tp,
-                                                                            b.config.pp, b.config.dp)
-
-
 class _Run:
     """State of one rank across steps."""
 
@@ -166,7 +162,7 @@ class _Run:
 
     def _generation_engine(self) -> Engine:
         gen = self.plan.stage("actor/generation")
-        if _same_layout(gen, self.plan.home("actor")):
+        if same_layout(gen, self.plan.home("actor")):  # as the planner prices it (shares_training_weights)
             return self.actor  # generation runs on the training shards: nothing to sync
         else:
             tplan = _bcast(self.sync.plan_for(self.plan) if self.rank == 0 else None)

@@ -41,12 +41,14 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
     n = math.ceil(w.sequences / dp)
     P, cap, mean, p90 = w.prompt_len, w.response_len_max, w.response_len_mean, w.response_len_p90
     one_seq = P + cap
+    def no_room(kv: float, what: str) -> StageEstimate:
+        """The estimate of a generation whose KV cache does not fit: infinite time, its memory needed."""
+        return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, weights + workspace + kv,
+                             {"weights": weights, "kv_cache": kv, "workspace": workspace}, gpu.usable_bytes, 0,
+                             (f"{what} needs {kv / GiB:.3f} GiB of KV cache; {max(kv_budget_bytes, 0) / GiB:.3f} GiB left",))
+
     if kv_budget_bytes < one_seq * kvg:
-        need = weights + workspace + one_seq * kvg
-        return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, need,
-                             {"weights": weights, "kv_cache": one_seq * kvg, "workspace": workspace},
-                             gpu.usable_bytes, 0, (f"one {one_seq}-token sequence needs {one_seq * kvg / GiB:.2f} GiB "
-                                                   f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.2f} GiB left",))
+        return no_room(one_seq * kvg, f"one {one_seq}-token sequence")
     # KV a sequence holds over its life, in expectation at its worst moment: max_x P(len > x) (P + x);
     # a static batch holds every row's slot and KV until its longest ends (the cap, at worst)
     if job.rollout.engine == "static":
@@ -65,12 +67,7 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
         # runs out of memory
         batch = max(1, min(n, job.rollout.max_num_seqs))
         if batch * per_seq_peak * kvg > kv_budget_bytes:
-            kv = batch * per_seq_peak * kvg
-            need = weights + workspace + kv
-            return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, need,
-                                 {"weights": weights, "kv_cache": kv, "workspace": workspace}, gpu.usable_bytes, 0,
-                                 (f"a static batch of {batch} {per_seq_peak}-token sequences needs {kv / GiB:.3f} GiB "
-                                  f"of KV cache; {max(kv_budget_bytes, 0) / GiB:.3f} GiB left",))
+            return no_room(batch * per_seq_peak * kvg, f"a static batch of {batch} {per_seq_peak}-token sequences")
     concurrency = max(1, min(in_flight, job.rollout.max_num_seqs, int(kv_budget_bytes // (kvg * per_seq_peak))))
     t_prefill, acc = _decode_phase(model, tp, pp, cluster, p, job.rollout.engine, n, P, mean, p90, cap, w.sequences,
                                    concurrency, job.rollout.enforce_eager, streaming, cfg.ep)

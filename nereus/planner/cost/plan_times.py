@@ -20,7 +20,7 @@ from typing import Mapping
 
 from nereus.planner.cost.model import engine_memory_util, estimate, params_per_gpu, weight_sync_s
 from nereus.planner.cost.params import CostParams
-from nereus.planner.plan import HOME_STAGE, Plan
+from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
 from nereus.planner.schedules import ScheduleSpec, step_time
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
@@ -194,10 +194,12 @@ def shares_training_weights(job: JobSpec, plan: Plan) -> bool:
     own: a static-batch engine (Hugging Face ``generate`` on the training model, Nereus's reference
     executor: ``demo.worker``) on the GPUs and in the layout (TP, PP, DP) of actor training. A
     paged engine (vLLM, SGLang) always holds its own copy."""
-    if job.rollout.engine != "static":
-        return False
-    g, t = plan.stage("actor/generation"), plan.home("actor")
-    return ((g.first_gpu, g.gpus, g.config.tp, g.config.pp, g.config.dp)
-            == (t.first_gpu, t.gpus, t.config.tp, t.config.pp, t.config.dp))
+    return job.rollout.engine == "static" and same_layout(plan.stage("actor/generation"), plan.home("actor"))
+
+
+def same_layout(a: StagePlacement, b: StagePlacement) -> bool:
+    """The same GPUs and the same TP, PP and DP: one stage can run on the other's shards."""
+    return ((a.first_gpu, a.gpus, a.config.tp, a.config.pp, a.config.dp)
+            == (b.first_gpu, b.gpus, b.config.tp, b.config.pp, b.config.dp))
 
 
