@@ -45,7 +45,7 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
         """The estimate of a generation whose KV cache does not fit: infinite time, its memory needed."""
         return StageEstimate(ms, cfg, math.inf, {"decode": math.inf}, 0.0, weights + workspace + kv,
                              {"weights": weights, "kv_cache": kv, "workspace": workspace}, gpu.usable_bytes, 0,
-                             (f"{what} needs {kv / GiB:.3f} GiB of KV cache; {max(kv_budget_bytes, 0) / GiB:.3f} GiB left",))
+                             (f"{what} needs {_gib(kv)} GiB of KV cache; {_gib(max(kv_budget_bytes, 0))} GiB left",))
 
     if kv_budget_bytes < one_seq * kvg:
         return no_room(one_seq * kvg, f"one {one_seq}-token sequence")
@@ -91,6 +91,12 @@ def estimate_generation(job: JobSpec, cluster: ClusterSpec, ms: str, model: Mode
              f"{kv_budget_bytes / GiB:.1f} GiB, max_num_seqs {job.rollout.max_num_seqs}); the rest wait",) \
         if waves > 1 else ()
     return finish(ms, cfg, t, "generation", p, {}, transient, cluster, waves, notes)
+
+
+def _gib(nbytes: float) -> str:
+    """GiB to two decimals, or three significant digits below 0.1 GiB (a small model's KV cache)."""
+    x = nbytes / GiB
+    return f"{x:.2f}" if x >= 0.1 or x == 0 else f"{x:.3g}"
 
 
 @lru_cache(maxsize=8192)
