@@ -23,6 +23,10 @@ taken on the steps both policies completed (``on_common_steps``), with the count
 
     .venv/bin/python benchmarks/simulate_repro.py --json benchmarks/results/simulate_repro.json
     .venv/bin/python benchmarks/simulate_repro.py --only ramp_1024_noisy --jobs ppo-8b --steps 50   # smoke test
+
+Sensitivity (issue 29 item 5): ``--planner-conventions truth`` plans with the ground truth's memory
+conventions (the driver's total, its non-torch memory, its logits bytes; ``planner_told_truth``),
+``truth-no-reserve`` also without the planner's 13% model-error reserve; the truth is unchanged.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from nereus.planner.specs import load_cluster, load_job  # noqa: E402
 from nereus.simulator.policies import POLICIES  # noqa: E402
 from nereus.simulator.simulate import simulate  # noqa: E402
 from nereus.simulator.trace import load_trace  # noqa: E402
+from nereus.simulator.truth import memory as truth_memory  # noqa: E402
 
 PUBLISHED = {"latency_reduction_vs_static": 0.277, "transitions": 6, "transition_overhead": 0.00079,
              "vs_verl": (1.10, 1.47), "vs_openrlhf": (2.14, 7.27)}
@@ -70,6 +75,31 @@ REFS = ("static-naive", "static", "hindsight", "verl", "openrlhf", "openrlhf-col
 BEST_OF = {"static-best": ("static", "static-naive"), "openrlhf-best": ("openrlhf", "openrlhf-colocate")}
 """Baselines reported as the better of two: the solver's step-0 layout or the framework example's
 (what a user would keep, knowing both); OpenRLHF with its models apart or ``--colocate_all_models``."""
+
+
+def planner_told_truth(cluster, reserve: bool = True):
+    """The planner's cluster and cost parameters rewritten with the truth's memory conventions
+    (issue 29 item 5's sensitivity row; ``docs/simulator.md``, "Memory in the ground truth"): the
+    driver's total instead of the catalog size, the truth's non-torch memory of a GPU in a
+    collective group (CUDA context + NCCL buffers) as the reserved memory, the truth's training
+    logits bytes. ``reserve`` False also drops the planner's 13% model-error reserve (the truth
+    counts allocated peaks with no slack). Only the planner is told: the truth keeps the catalog
+    cluster. Returns (cluster, params, what changed)."""
+    from dataclasses import replace
+
+    from nereus.planner.cost.params import CostParams
+
+    gpu = cluster.gpu
+    total = truth_memory.total_bytes(gpu.memory_gib) / truth_memory.GiB
+    held = truth_memory.non_torch_bytes(collective=True) / truth_memory.GiB
+    told = replace(cluster, gpu=replace(gpu, memory_gib=total, reserved_gib=held))
+    p = CostParams()
+    p = replace(p, logits_copies_train=truth_memory.LOGITS_BYTES_TRAIN / p.logits_bytes,
+                **({} if reserve else {"mem_reserve_frac": 0.0}))
+    what = {"memory_gib": [gpu.memory_gib, round(total, 3)], "reserved_gib": [gpu.reserved_gib, round(held, 3)],
+            "logits_copies_train": [CostParams().logits_copies_train, p.logits_copies_train],
+            "mem_reserve_frac": [CostParams().mem_reserve_frac, p.mem_reserve_frac]}
+    return told, p, what
 
 
 def best_of(res: dict, names: tuple[str, str]) -> str | None:
@@ -132,8 +162,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", nargs="+", choices=JOBS, help="these jobs only")
     ap.add_argument("--merge", action="store_true", help="update the runs of --json that this call re-runs, keep the rest")
     ap.add_argument("--workers", type=int, default=1, help="processes for the online policies of a run (identical results)")
+    ap.add_argument("--planner-conventions", choices=("own", "truth", "truth-no-reserve"), default="own",
+                    help="sensitivity (issue 29 item 5): plan with the truth's memory conventions (the truth is unchanged)")
     args = ap.parse_args(argv)
-    out = {"published": PUBLISHED, "label": "SIMULATED", "runs": [], "skipped": []}
+    out = {"published": PUBLISHED, "label": "SIMULATED", "runs": [], "skipped": [],
+           "planner_conventions": args.planner_conventions}
     if args.merge and args.json and Path(args.json).exists():
         out = json.loads(Path(args.json).read_text())
         redo = {(j, t) for t, _, _, jobs in RUNS if not args.only or t == args.only
@@ -161,8 +194,16 @@ def main(argv=None) -> int:
                 trace = trace.head(n)
             job, cluster = load_job(ROOT / f"examples/{job_name}.yaml"), load_cluster(ROOT / f"examples/{cluster_name}.yaml")
             t0 = time.perf_counter()
+            extra, told = {}, None
+            if args.planner_conventions != "own":
+                from nereus.simulator.schedules import TransitionSchedules
+                from nereus.simulator.truth.machine import GroundTruth
+                plan_cluster, params, told = planner_told_truth(cluster, args.planner_conventions == "truth")
+                extra = {"gt": GroundTruth(job, cluster, trace, seed=0, schedule_fn=TransitionSchedules(job, cluster)),
+                         "params": params}
+                cluster = plan_cluster
             try:
-                res = simulate(job, cluster, trace, POLICIES, time_limit_s=1.0, seed=0, workers=args.workers)
+                res = simulate(job, cluster, trace, POLICIES, time_limit_s=1.0, seed=0, workers=args.workers, **extra)
             except NereusError as e:
                 out["skipped"].append({"job": job_name, "trace": trace_name, "why": str(e)})
                 print(f"{job_name} / {trace_name}: skipped ({e})", file=sys.stderr)
@@ -171,7 +212,7 @@ def main(argv=None) -> int:
             run = {"job": job_name, "trace": trace_name, "steps": len(trace), "of_steps": len(load_trace(trace_name)),
                    "gpus": f"{trace.rows[0].gpus}->{trace.max_gpus}" if trace.rows[0].gpus != trace.max_gpus
                    else str(trace.max_gpus), "wall_s": time.perf_counter() - t0, "load_avg_1_5_15": os.getloadavg(),
-                   **figs, "policies": d}
+                   **({"planner_told": told} if told else {}), **figs, "policies": d}
             out["runs"].append(run)
             print(f"[{run['wall_s']:.0f}s] {job_name} / {trace_name}: done", file=sys.stderr)
             if args.json:
