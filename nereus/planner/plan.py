@@ -132,10 +132,12 @@ class Plan:
         object.__setattr__(self, "_layout_key", tuple(
             (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.zero, s.config.ep,
              s.config.etp) for s in self.stages) + (kind,))
+        # optimizer offload is a knob (it moves a state to the host, not between GPUs): in the key only
+        off = tuple(sorted(dict(self.extras).get("offload") or ()))
         object.__setattr__(self, "_key", tuple(
             (s.name, s.first_gpu, s.gpus, s.config.tp, s.config.pp, s.config.dp, s.config.micro_batch, s.config.zero,
              s.config.recompute, s.config.sp, s.config.cp, s.config.token_budget, s.config.ep, s.config.etp)
-            for s in self.stages) + (kind,))
+            for s in self.stages) + (kind,) + ((("offload",) + off,) if off else ()))
 
     def __iter__(self) -> Iterator[StagePlacement]:
         return iter(self.stages)

@@ -106,13 +106,14 @@ def verl_rule(job: JobSpec) -> LayoutRule:
     too (``fsdp.yaml``: the reference is an FSDP module sharded like the actor; verl's 32B GRPO
     example ``examples/grpo_trainer/run_qwen2_5_32b_fsdp.sh`` shards it so and adds
     ``ref.fsdp_config.param_offload=True``); the reward model as verl's FSDP reward worker (0.9.1 can
-    also serve it from vLLM; not modelled). Not modelled: parameter and optimizer offload (the 32B
-    example offloads the reference's parameters; ``fsdp_config.param_offload`` / ``optimizer_offload``
-    at 70B), because the ground truth does not price offload (its memory would keep the states on
-    the GPU, its times would miss the copies): the baseline runs without it, a layout that fits only
-    with offload is not open to it."""
+    also serve it from vLLM; not modelled). Optimizer offload (``fsdp_config.optimizer_offload``, on
+    in verl's 32-70B examples) where the solver finds it pays: the Adam state in host memory between
+    optimizer steps, so the rollout's KV cache gets its room, priced by the ground truth at measured
+    host copy rates (``truth.memory.offload_copy_s``; held only around the step, as verl-project/
+    verl#7804 has it: verl's default holds it through the update call, a higher peak). Not modelled: parameter offload (the 32B example
+    offloads the reference's parameters), which the ground truth does not price."""
     return LayoutRule(name="verl", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job), zeros=(3,),
-                      frozen_zeros=(3,))
+                      frozen_zeros=(3,), offload=(False, True))
 
 
 def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> LayoutRule:
@@ -121,13 +122,15 @@ def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> L
     run DeepSpeed's eval engine at stage 3 when training does, ``utils/deepspeed/deepspeed.py``
     ``get_ds_eval_config``), vLLM engines at a fixed TP. ``colocate``: ``--colocate_all_models``, every
     model and the engines on all GPUs; else each model on pools of its own (``anchor``: the pools
-    kept). Not modelled: ``--adam_offload`` (the 70B example's) and ``--ref_reward_offload``, for the
-    reason ``verl_rule`` gives."""
+    kept). ``--adam_offload`` (the 70B example's) where the solver finds it pays, priced as verl's
+    optimizer offload (DeepSpeed's CPU Adam, which steps on the host, is not modelled apart). Not
+    modelled: ``--ref_reward_offload`` (parameter offload), for the reason ``verl_rule`` gives."""
     if colocate:
         return LayoutRule(name="openrlhf-colocate", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job),
-                          zeros=(3,), frozen_zeros=(3,))
+                          zeros=(3,), frozen_zeros=(3,), offload=(False, True))
     return LayoutRule(name="openrlhf" if anchor is not None else "openrlhf-pools", placement="disaggregated",
-                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,))
+                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,),
+                      offload=(False, True))
 
 
 def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload, gpus0: int, *,

@@ -378,3 +378,32 @@ def test_the_engine_start_is_not_scaled_by_the_learned_transition_factor(env):
     ctl.report_transition(ctl.engine_restart_s + 3.0 * bound)
     measured, predicted = ctl.calibration.transition_pairs[-1]
     assert math.isclose(measured, 3.0 * bound) and predicted == bound
+
+
+def test_the_fallback_can_raise_pp_where_tp_cannot_rise(env):
+    """The audit of issue 29: the fallback raised TP only, so a model whose TP already filled a node (or
+    a rule whose TP is capped) had no deeper split to fall back to. ``frugal_variants`` now also offers
+    each model with PP doubled and DP halved (within the settings' ``max_pp``, the layers and the GPUs),
+    and none where ``max_pp`` forbids it."""
+    from dataclasses import replace
+
+    from nereus.planner.solver.problem import CandidateSettings
+
+    ctl = Controller(env.job, env.cluster, horizon=50, plans=env.plans, build_transition=False)
+    base = ctl.plan
+    allowed = CandidateSettings(tps=(base.stage("actor/training").config.tp,), max_pp=16)  # TP may not rise
+    variants = frugal_variants(base, env.job, env.cluster.gpus_per_node, allowed=allowed)
+    deeper = [q for q in variants
+              if any(q.stage(s.name).config.pp == 2 * s.config.pp for s in base.stages)]
+    assert deeper, [q.key() for q in variants]
+    for q in deeper:
+        for s in q.stages:
+            c = s.config
+            assert c.tp * c.pp * c.dp == s.gpus and env.job.model(s.role).layers % c.pp == 0
+        moved = {s.role for s in q.stages if s.config.pp != base.stage(s.name).config.pp}
+        # a trainable model's training and inference move together; generation moves on its own
+        assert len(moved) == 1
+    assert {s.role for q in deeper for s in q.stages if s.config.pp != base.stage(s.name).config.pp} >= \
+        {"actor"}, "the actor (trained) is one of the models the fallback can split deeper"
+    flat = frugal_variants(base, env.job, env.cluster.gpus_per_node, allowed=replace(allowed, max_pp=1))
+    assert all(q.stage(s.name).config.pp == s.config.pp for q in flat for s in base.stages)

@@ -23,7 +23,7 @@ from nereus.planner.solver.candidates import (
     GEN,
     TableBuilder,
     _option_rows,
-    _resident,
+    _peak,
     _shapes,
 )
 from nereus.planner.solver.greedy import greedy, price_groups, tighten
@@ -53,7 +53,7 @@ def memory_violations(p) -> tuple[int, list[tuple]]:
                         e = b.est(ms, cfg)
                         for off in (cs.offload if trainable else (False,)):
                             n += 1
-                            priced = _resident(e, off) + e.transient_bytes
+                            priced = _peak(e, off)
                             if not floor(cfg, off) <= priced:
                                 bad.append((ms, cfg, off, floor(cfg, off), priced))
     return n, bad

@@ -2,7 +2,9 @@
 ``benchmarks/table_pin.py`` (dense and MoE, sync and async schedules, context parallelism, offload,
 ZeRO-3 frozen models, calibrated stage factors, colocated and pinned-layout constraints), built cold,
 equal the fingerprints the code gave before that work (commit 04f4914, ``tests/data/table_pin.json``;
-re-pinned when the cross-pool weight sync gained its per-tensor terms: only the non-colocated syncs moved)
+re-pinned when the cross-pool weight sync gained its per-tensor terms: only the non-colocated syncs moved;
+and the two ``:wide`` problems when offloaded optimizer state came back for the optimizer step: only
+offload rows moved)
 to 12 significant digits. ``benchmarks/table_pin.py --check`` compares the 1,024-GPU ones too."""
 import json
 import sys

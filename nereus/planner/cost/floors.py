@@ -184,8 +184,8 @@ def memory_floor(job: JobSpec, model_stage: str, model: ModelSpec, w: Workload,
                  p: CostParams) -> Callable[[ParallelConfig, bool], float]:
     """``floor(cfg, offload)``: a lower bound of the bytes per GPU, resident + transient, that
     ``model.estimate`` gives ``model_stage`` (training or inference) under ``cfg`` with its ZeRO stage
-    and recomputation, the optimizer state left out with ``offload`` (kept in host memory, as
-    ``candidates._resident`` counts it). The same terms ``passes`` sums, computed as it computes them:
+    and recomputation, the optimizer state left out with ``offload`` (kept in host memory between
+    updates, ``model.offloaded``; a looser bound then, since the update holds it again). The same terms ``passes`` sums, computed as it computes them:
     model states by ZeRO stage (``memory.model_state_bytes``; a frozen model's weights, sharded under
     ZeRO-3), activations of the largest micro-batch (all of them for the micro-batches in flight, or
     only the kept block inputs when recomputing), logits, ZeRO-3's unsharded layers, the workspace,

@@ -56,7 +56,7 @@ __all__ = ["CONTROLLER_TRAIN_TENSORS", "GiB", "NO_OPTIONS", "TP_EDGE_COLLECTIVES
            "ag_s", "ar_s", "controller_transfer_s", "decode_iteration_s", "decode_step_s", "decode_terms",
            "eager_launch_s", "engine_memory_util", "engine_wake_s", "estimate", "fp8_linear_s", "fsdp_cpu_floor_s",
            "host_copy_s", "kv_budget_full", "kv_bytes_per_token_per_gpu", "logprob_vocab_s", "model_state_bytes",
-           "offload_s", "optimizer_offload_s", "padded_tokens", "param_offload_s", "params_per_gpu", "prefill_s",
+           "offload_s", "offloaded", "optimizer_offload_s", "padded_tokens", "param_offload_s", "params_per_gpu", "prefill_s",
            "seq_moments", "trainable", "validate_config", "weight_sync_s"]
 
 
@@ -117,6 +117,21 @@ def estimate(job: JobSpec, cluster: ClusterSpec, model_stage: str, cfg: Parallel
         c = controller_transfer_s(stage, w.sequences, o.controller_width, w.response_len_max, p)
         e = replace(e, time_s=e.time_s + c, time_breakdown={**e.time_breakdown, "controller_transfer": c})
     return e
+
+
+def offloaded(e: StageEstimate, params: CostParams) -> StageEstimate:
+    """``e`` of a training stage whose optimizer state a plan keeps in host memory (the plan's
+    "offload" extra, which the solver sets when it picks ``CandidateSettings.offload``): the state is
+    on the GPU only around the optimizer step (Megatron-LM#2811's optimizer state offloading, verl's
+    ``optimizer_offload_step``, verl-project/verl#7804), so it leaves the resident memory of every
+    stage (generation's KV cache gets the room) and the training peak is the larger of the forward /
+    backward transient and the state loaded for the step; moving it in and out once per step
+    (``offload_s``) is paid in the stage's time. (verl's FSDP default loads it for the whole update
+    call, verl-project/verl#5282: a peak this counts lower.)"""
+    opt = e.mem_breakdown.get("optimizer", 0.0)
+    off = offload_s(opt, params)
+    return replace(e, resident_bytes=e.resident_bytes - opt, transient_bytes=max(e.transient_bytes, opt),
+                   time_s=e.time_s + off, time_breakdown={**e.time_breakdown, "optimizer_offload": off})
 
 
 def _first_equal(job: JobSpec, model: ModelSpec) -> ModelSpec:

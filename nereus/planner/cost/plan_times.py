@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from nereus.planner.cost.model import engine_memory_util, estimate, params_per_gpu, weight_sync_s
+from nereus.planner.cost.model import engine_memory_util, estimate, offloaded, params_per_gpu, weight_sync_s
 from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import HOME_STAGE, Plan, StagePlacement
 from nereus.planner.schedules import ScheduleSpec, step_time
@@ -126,7 +126,9 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
     running stage's transient. ``memo``: a dict the caller keeps for one job and one set of
     parameters, where stage estimates are shared between plans that hold a model-stage in the same
     configuration (the controller re-scores a library of plans that differ in a few stages), and in
-    the same schedule (a job with ``schedule: auto`` holds plans of several)."""
+    the same schedule (a job with ``schedule: auto`` holds plans of several). A training stage in the
+    plan's "offload" extra keeps its optimizer state on the host (``cost.model.offloaded``), as the
+    solver's own check prices it (``solver.check``)."""
     job = job_for(job, plan)
     usable = cluster.gpu.usable_bytes
     segs = _segments(plan)
@@ -145,9 +147,12 @@ def evaluate_times(job: JobSpec, cluster: ClusterSpec, plan: Plan, w: Workload, 
             e = memo[key] = estimate(job, cluster, name, cfg, w, params, kv_budget_bytes=budget)
         return e
 
+    off = set(dict(plan.extras).get("offload") or ())  # training stages whose optimizer state is on the host
     for s in plan.stages:
         if s.stage != "generation":
             est[s.name] = e = stage_estimate(s.name, s.config)
+            if s.name in off:
+                est[s.name] = e = offloaded(e, params)
             if HOME_STAGE.get(s.role) == s.name:
                 for seg in segs:
                     if _covers(s, seg):

@@ -302,7 +302,8 @@ class AdmissionRules:
             return self._stay(cur, None, must, f"must switch ({must}), but no plan at hand can run next step "
                                                f"({self._note})", feasible=False)
         why = (f"{must}; nothing is predicted to fit next step ({self._note}), so falling back to the most frugal "
-               f"plan at hand (ZeRO-3, recomputation, micro-batch 1, TP raised where the rule allows): "
+               f"plan at hand (ZeRO-3, recomputation, micro-batch 1, TP or PP raised, optimizer offload, where the "
+               f"rule allows): "
                f"{fb.spare_gib:+.1f} GiB to spare on its tightest model-stage by the reserves")
         if fb.plan.key() == self.plan.key():
             return self._stay(cur, None, must, f"{why}; that is the current plan, which stays (the reserves decay "

@@ -107,9 +107,12 @@ def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str
     every training and inference stage at the smallest micro-batch, no token budget; a trainable
     model's inference pass follows its training's ZeRO stage), and that plan with one model's TP
     doubled (DP halved; the training and inference of a trainable model together) for each model
-    whose model-stages are not in ``fixed`` and whose doubled TP is allowed and fits in a node. A
+    whose model-stages are not in ``fixed`` and whose doubled TP is allowed and fits in a node, then
+    the same with PP doubled (within ``allowed.max_pp``, dividing the layers and the stage's GPUs): a
+    model whose TP already fills a node can still halve its per-GPU weights and states that way. A
     fallback never holds a knob its solver could not choose (the demo's executor runs ZeRO 0-2
-    only). Offload is not among them: the controller's memory model does not price it."""
+    and no PP only); where ``allowed.offload`` holds True, every trained model's optimizer state goes
+    to host memory between updates (``cost.model.offloaded``: the rollout's KV cache gets the room)."""
     trainable = {s.role for s in plan.stages if s.name.endswith("/training")}
     stages = []
     for s in plan.stages:
@@ -120,8 +123,11 @@ def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str
                         zero=max(allowed.zeros) if train else c.zero,
                         recompute=max(allowed.recompute) if s.name.endswith("/training") else c.recompute)
         stages.append(replace(s, config=c))
+    extras = dict(plan.extras)
+    if True in allowed.offload:  # every trained model's optimizer state in host memory between updates
+        extras["offload"] = tuple(sorted(f"{r}/training" for r in trainable))
     try:
-        base = replace(plan, stages=tuple(stages))
+        base = replace(plan, stages=tuple(stages), extras=tuple(extras.items()))
     except (NereusError, ValueError):
         return []
     out = [base] if base.key() != plan.key() else []
@@ -142,6 +148,21 @@ def frugal_variants(plan: Plan, job: JobSpec, gpus_per_node: int, fixed: set[str
             new = {n: replace(base.stage(n), config=replace(base.stage(n).config, tp=tp,
                                                              dp=base.stage(n).gpus // (tp * base.stage(n).config.pp)))
                    for n in names}
+            out.append(replace(base, stages=tuple(new.get(s.name, s) for s in base.stages)))
+        except (NereusError, ValueError):
+            continue
+    for names in groups.values():  # then PP doubled: what TP cannot give once it fills a node
+        if any(n in fixed for n in names):
+            continue
+        pp = base.stage(names[0]).config.pp * 2
+        layers = job.model(base.stage(names[0]).role).layers
+        if pp > allowed.max_pp or layers % pp or any(
+                base.stage(n).gpus % (base.stage(n).config.tp * pp * base.stage(n).config.sp) for n in names):
+            continue
+        try:
+            new = {n: replace(base.stage(n), config=replace(
+                base.stage(n).config, pp=pp, dp=base.stage(n).gpus // (base.stage(n).config.tp * pp)))
+                for n in names}
             out.append(replace(base, stages=tuple(new.get(s.name, s) for s in base.stages)))
         except (NereusError, ValueError):
             continue

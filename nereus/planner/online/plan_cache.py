@@ -68,6 +68,10 @@ class LayoutRule:
     frozen_zeros: tuple[int, ...] = ()
     """ZeRO stages of the frozen models (``CandidateSettings.frozen_zeros``; ``(3,)``: sharded like
     verl's FSDP reference); empty: the cache's candidate settings."""
+    offload: tuple[bool, ...] = ()
+    """Optimizer offload choices of the trainable models (``CandidateSettings.offload``; ``(False,
+    True)``: the solver offloads where it pays, as verl's ``optimizer_offload`` is switched on at
+    32-70B); empty: the cache's candidate settings."""
 
     def constraints(self, gpus: int) -> Any:
         from nereus.planner.solver import PlanConstraints
@@ -82,14 +86,15 @@ class LayoutRule:
 
     def key(self) -> tuple:
         return (self.name, self.placement, self.fixed_tp_pp, None if self.anchor is None else self.anchor.layout_key(),
-                self.zeros, self.frozen_zeros)
+                self.zeros, self.frozen_zeros) + ((self.offload,) if self.offload else ())
 
     def candidate_settings(self, base: Any) -> Any:
-        """``base`` (``CandidateSettings``) with this rule's ZeRO stages."""
-        if not self.zeros and not self.frozen_zeros:
+        """``base`` (``CandidateSettings``) with this rule's ZeRO stages and offload choices."""
+        if not self.zeros and not self.frozen_zeros and not self.offload:
             return base
         return replace(base, **({"zeros": self.zeros} if self.zeros else {}),
-                       **({"frozen_zeros": self.frozen_zeros} if self.frozen_zeros else {}))
+                       **({"frozen_zeros": self.frozen_zeros} if self.frozen_zeros else {}),
+                       **({"offload": self.offload} if self.offload else {}))
 
 
 FREE = LayoutRule()
@@ -97,9 +102,10 @@ FREE = LayoutRule()
 
 def keep_layout(plan: Plan, within: LayoutRule | None = None) -> LayoutRule:
     """The current plan's pools and TP/PP: reachable by changing knobs and DP-internal state only
-    (and only to the ZeRO stages ``within`` allows)."""
+    (and only to the ZeRO stages and offload choices ``within`` allows)."""
     return LayoutRule(name="keep", fixed_tp_pp=tp_pp_of(plan), anchor=plan,
-                      zeros=within.zeros if within else (), frozen_zeros=within.frozen_zeros if within else ())
+                      zeros=within.zeros if within else (), frozen_zeros=within.frozen_zeros if within else (),
+                      offload=within.offload if within else ())
 
 
 def static_rule(initial: Plan) -> LayoutRule:

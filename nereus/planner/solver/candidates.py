@@ -22,7 +22,7 @@ from nereus.planner.cost.floors import memory_floor
 from nereus.planner.cost.model import (
     engine_memory_util,
     estimate,
-    offload_s,
+    offloaded,
     weight_sync_s,
 )
 from nereus.planner.schedules import ScheduleSpec
@@ -279,7 +279,7 @@ def _option_rows(problem: PlanProblem, unit: Unit, size: int, n_phases: int, syn
                     continue  # (or its first stage alone overfills an empty GPU, ``cost.floors.memory_floor``)
                 ests = [est(unit.stages[0], cfg)]
                 if trainable:  # inference ignores recompute, and ZeRO but for FSDP's all-gathers (ZeRO-3)
-                    if all(_resident(ests[0], off) + ests[0].transient_bytes > cap for off in offloads):
+                    if all(_peak(ests[0], off) > cap for off in offloads):
                         continue  # training alone overfills a GPU: _option drops it whatever inference adds
                     key = (tp, pp, mb, sp, cp, zero >= 3, ep, etp)
                     if key not in infer_cache:
@@ -312,12 +312,13 @@ def _shapes(problem: PlanProblem, unit: Unit, size: int):
 
 def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, offload: bool,
             p) -> tuple[tuple, dict] | None:
-    """One option's row from its stage estimates; offload moves the optimizer state to the host and
-    adds its transfer time to the training stage."""
-    resident = _resident(ests[0], offload)
-    times = [e.time_s for e in ests]
+    """One option's row from its stage estimates; offload moves the optimizer state to the host
+    between updates and adds its transfer time to the training stage (``cost.model.offloaded``: the
+    state is back on the GPU for the update, a transient of training)."""
     if offload:
-        times[0] += offload_s(ests[0].mem_breakdown.get("optimizer", 0.0), p)
+        ests = [offloaded(ests[0], p)] + list(ests[1:])
+    resident = ests[0].resident_bytes
+    times = [e.time_s for e in ests]
     transient = max([e.transient_bytes for e in ests])
     if resident + transient > cap or not all(map(math.isfinite, times)):
         return None
@@ -329,9 +330,13 @@ def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, of
                                "resident_kib": res, "transient_kib": tra, "offload": offload}
 
 
-def _resident(e, offload: bool) -> float:
-    """Resident bytes of a stage estimate, less its optimizer state when that is kept in host memory."""
-    return e.resident_bytes - e.mem_breakdown.get("optimizer", 0.0) if offload else e.resident_bytes
+def _peak(e, offload: bool) -> float:
+    """Resident + transient bytes of a training stage estimate, its optimizer state in host memory
+    between steps when ``offload`` (``cost.model.offloaded``)."""
+    if not offload:
+        return e.resident_bytes + e.transient_bytes
+    opt = e.mem_breakdown.get("optimizer", 0.0)
+    return e.resident_bytes - opt + max(e.transient_bytes, opt)
 
 
 def _generation_options(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,

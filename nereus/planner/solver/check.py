@@ -10,7 +10,8 @@ import dataclasses
 import math
 
 from nereus.errors import SpecError
-from nereus.planner.cost.model import estimate, offload_s, weight_sync_s
+from nereus.planner.cost.model import estimate, weight_sync_s
+from nereus.planner.cost.model import offloaded as with_offload
 from nereus.planner.cost.plan_times import job_for
 from nereus.planner.plan import HOME_STAGE, Plan
 from nereus.planner.schedules import step_time
@@ -59,9 +60,7 @@ def _estimates(problem: PlanProblem, plan: Plan) -> dict:
         e = estimate(problem.job, problem.cluster, s.name, s.config, problem.workload, problem.params,
                      kv_budget_bytes=kv)
         if s.name in offloaded:
-            opt = e.mem_breakdown.get("optimizer", 0.0)
-            e = dataclasses.replace(e, resident_bytes=e.resident_bytes - opt,
-                                    time_s=e.time_s + offload_s(opt, problem.params))
+            e = with_offload(e, problem.params)
         ests[s.name] = e
     return ests
 

@@ -31,7 +31,7 @@ from nereus.simulator.truth.engine import _simulate, closed_form, covers, split_
 from nereus.simulator.truth.kernels import decode_coeffs, prefill_s
 from nereus.simulator.truth.lengths import LengthSampler
 from nereus.simulator.truth.memory import (ENGINE_MEMORY_UTILIZATION, GiB, capacity_bytes, kv_budget_tokens,
-                                           params_per_gpu, state_bytes)
+                                           offload_copy_s, offloaded_bytes, params_per_gpu, state_bytes)
 from nereus.simulator.truth.pipeline import StageSpec, stage_times
 from nereus.simulator.truth.timeline import Timeline, plan_timeline, schedule_of
 
@@ -191,12 +191,22 @@ class GroundTruth:
         covers = {s.name: [k for k, (a, b) in enumerate(segs) if s.first_gpu <= a and b <= s.first_gpu + s.gpus]
                   for s in plan.stages}
         resident = [0.0] * len(segs)
+        # training stages whose optimizer state is on the host between optimizer steps: out of every
+        # pool's resident memory, back on the GPU for the step (after the forward / backward passes,
+        # whose transients are freed by then), the copies both ways paid in the stage's time
+        host = set(dict(plan.extras).get("offload") or ())
+        copy_s, back = {}, {}
         for role in job.roles:
             home = plan.stage(HOME_STAGE[role])
             c = home.config
             psi = params_per_gpu(job.model(role), c.tp, c.pp, value_head=role in ("critic", "reward"))
+            held = state_bytes(psi, c.dp, c.zero, role in TRAINABLE)
+            if role in TRAINABLE and f"{role}/training" in host:
+                out = offloaded_bytes(psi, c.dp, c.zero)
+                held -= out
+                copy_s[f"{role}/training"], back[f"{role}/training"] = offload_copy_s(out), out
             for k in covers[home.name]:
-                resident[k] += state_bytes(psi, c.dp, c.zero, role in TRAINABLE)
+                resident[k] += held
         gen = plan.stage("actor/generation")
         gen_resident = max(resident[k] for k in covers[gen.name])
         if not self.engine_sleeps:  # an engine that never sleeps keeps its memory through training
@@ -219,7 +229,8 @@ class GroundTruth:
         shared = any(set(covers[s.name]) & set(covers[gen.name]) for s in plan.stages if s.name != gen.name)
         overhead = sync + (network.wake_sleep_s(gen_bytes) if shared and self.engine_sleeps else 0.0)
         hit = self._plans[key] = {"keys": keys, "covers": covers, "segments": len(segs), "overhead": overhead,
-                                  "resident": base, "capacity": capacity_bytes(gpu.memory_gib)}
+                                  "resident": base, "capacity": capacity_bytes(gpu.memory_gib), "copy_s": copy_s,
+                                  "back": back}
         return hit
 
     def _spans(self, first: int, count: int) -> bool:
@@ -337,7 +348,8 @@ class GroundTruth:
 
     def _stage_fits(self, info: dict, ms: str, b: int) -> np.ndarray:
         _, fits, pk = self._stage_block(info["keys"][ms], b)
-        return fits if ms.endswith("/generation") else info["resident"][ms] + pk <= info["capacity"]
+        return fits if ms.endswith("/generation") else \
+            info["resident"][ms] + np.maximum(pk, info["back"].get(ms, 0.0)) <= info["capacity"]
 
     # ---- steps -----------------------------------------------------------------------------------
     def _stage_cols(self, plan: Plan, b: int) -> np.ndarray:
@@ -353,10 +365,10 @@ class GroundTruth:
         for i, ms in enumerate(self.stages):
             t, fits, pk = self._stage_block(info["keys"][ms], b)
             if not ms.endswith("/generation"):  # a trainer's peak: resident states of the pool + transient
-                pk = info["resident"][ms] + pk
+                pk = info["resident"][ms] + np.maximum(pk, info["back"].get(ms, 0.0))
                 fits = pk <= info["capacity"]
                 peak = pk if peak is None else np.maximum(peak, pk)
-            cols.append(t * jit[:, i])
+            cols.append(t * jit[:, i] + info["copy_s"].get(ms, 0.0))
             ok = fits if ok is None else ok & fits
         if peak is None:
             peak = np.zeros(len(jit))

@@ -130,6 +130,29 @@ def state_bytes(psi: float, dp: int, zero: int, trainable: bool) -> float:
     return 2 * psi + grads + OPTIMIZER_BYTES * psi / (dp if zero >= 1 else 1)
 
 
+HOST_D2H_GBPS = 3.22
+HOST_H2D_GBPS = 7.55
+"""Host copy rates per GPU, every GPU of a node copying at once, of a ZeRO-3 engine's states moved to
+pinned host memory and back (``offload_states`` / ``offload_states_back``, non-blocking):
+DeepSpeedExamples ``training/offload_states`` README, 4 x A100, a 4.29B-parameter model (4 layers
+of hidden 32,768): 18.18 GB per GPU offloaded in 5.64 s (3.22 GB/s) and loaded back in 2.41 s
+(7.55 GB/s). Only that A100 host is measured; applied to every GPU."""
+
+
+def offloaded_bytes(psi: float, dp: int, zero: int) -> float:
+    """Bytes per GPU of a trained model's optimizer state kept in host memory between optimizer steps
+    (verl ``optimizer_offload``; OpenRLHF ``--adam_offload``): Adam m and v (8 B/param) of an FSDP /
+    ZeRO-3 shard, the fp32 master parameters with them (``OPTIMIZER_BYTES``) under ZeRO 0-2."""
+    if zero >= 3:
+        return 8 * psi / dp
+    return OPTIMIZER_BYTES * psi / (dp if zero >= 1 else 1)
+
+
+def offload_copy_s(nbytes: float) -> float:
+    """Seconds per step to load an offloaded state before the optimizer step and offload it after."""
+    return nbytes / (HOST_H2D_GBPS * 1e9) + nbytes / (HOST_D2H_GBPS * 1e9)
+
+
 def act_bytes_per_token_layer(m: ModelSpec, tp: int) -> float:
     return 8 * m.hidden + (4 * m.q_dim + 4 * m.kv_dim + 8 * m.ffn) / tp
 
