@@ -18,7 +18,8 @@ Figures per run, for ``adaptive`` (live transitions) and ``adaptive-restart`` (r
 switch a checkpoint save + relaunch): mean step latency (wall time per step, transitions and crash
 restarts included) against static-naive, static, the better of the two, and hindsight (and the
 oracle's against static); number of transitions and their share of run time; throughput against
-verl-like and OpenRLHF-like (the better of its disaggregated and colocate-all modes). Every ratio is
+verl-like (the better of optimizer offload off and open to the solver) and OpenRLHF-like (the better
+of its disaggregated and colocate-all modes). Every ratio is
 taken on the steps both policies completed (``on_common_steps``), with the count beside it.
 
     .venv/bin/python benchmarks/simulate_repro.py --json benchmarks/results/simulate_repro.json
@@ -71,10 +72,12 @@ SKIPPED |= {("r1zero_linear", j): "not run: time budget; 8B and 32B GRPO cover t
 
 NEREUS = ("adaptive", "adaptive-restart")
 """The policies the figures are about: live transitions, and restart mode (checkpoint + relaunch)."""
-REFS = ("static-naive", "static", "hindsight", "verl", "openrlhf", "openrlhf-colocate")
-BEST_OF = {"static-best": ("static", "static-naive"), "openrlhf-best": ("openrlhf", "openrlhf-colocate")}
+REFS = ("static-naive", "static", "hindsight", "verl", "verl-offload", "openrlhf", "openrlhf-colocate")
+BEST_OF = {"static-best": ("static", "static-naive"), "verl-best": ("verl", "verl-offload"),
+           "openrlhf-best": ("openrlhf", "openrlhf-colocate")}
 """Baselines reported as the better of two: the solver's step-0 layout or the framework example's
-(what a user would keep, knowing both); OpenRLHF with its models apart or ``--colocate_all_models``."""
+(what a user would keep, knowing both); verl with optimizer offload off or open to the solver; OpenRLHF
+with its models apart or ``--colocate_all_models``."""
 
 
 def planner_told_truth(cluster, reserve: bool = True):
@@ -135,7 +138,7 @@ def figures(res: dict, who: str = "adaptive") -> dict:
     return {"latency_reduction_vs_static_naive": red("static-naive"), "latency_reduction_vs_static": red("static"),
             "latency_reduction_vs_static_best": red("static-best"), "latency_reduction_vs_hindsight": red("hindsight"),
             "transitions": d["transitions"], "transition_overhead": d["transition_overhead"],
-            "throughput_vs_verl": thr("verl"), "throughput_vs_openrlhf": thr("openrlhf-best"),
+            "throughput_vs_verl": thr("verl-best"), "throughput_vs_openrlhf": thr("openrlhf-best"),
             "ooms": d["ooms"], "dropped_steps": d["dropped_steps"], "vs": vs}
 
 

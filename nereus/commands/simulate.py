@@ -21,9 +21,9 @@ def policy_list(text: str) -> tuple[str, ...]:
     return names
 
 
-CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl", "openrlhf",
-           "openrlhf-colocate", "gamma", "gamma-restart", "always-restart", "static-split", "hindsight-split",
-           "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
+CHOICES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl",
+           "verl-offload", "openrlhf", "openrlhf-colocate", "gamma", "gamma-restart", "always-restart", "static-split",
+           "hindsight-split", "verl-one-step-off", "verl-fully-async", "verl-fully-async-dynamic", "all")
 
 
 def nonneg_float(text: str) -> float:

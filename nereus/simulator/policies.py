@@ -19,7 +19,9 @@ they weigh transition cost:
   part of ``all``.
 - ``verl``: verl's FSDP backend (``verl_rule``): every model-stage colocated on all GPUs (hybrid
   engine), actor/critic/reference/reward ZeRO-3 (FSDP) at TP1 PP1, rollout with a fixed TP; knobs
-  (micro-batch, recompute, KV budget) re-tuned by the controller.
+  (micro-batch, recompute, KV budget) re-tuned by the controller. ``verl-offload``: the same with
+  ``fsdp_config.optimizer_offload`` open to the solver (on in verl's 32-70B examples). The verl-like
+  baseline is the better of the two (``benchmarks/simulate_repro.py``).
 - ``openrlhf``: OpenRLHF with its models apart (``openrlhf_rule``): disaggregated pools per model
   (chosen once by the solver for the first step, then only scaled with the GPUs), DeepSpeed ZeRO-3
   at TP1 PP1 for every model, fixed rollout TP. ``openrlhf-colocate``: OpenRLHF's
@@ -47,11 +49,12 @@ from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
 POLICIES = ("static-naive", "static", "hindsight", "adaptive", "adaptive-restart", "always", "oracle", "verl",
-            "openrlhf", "openrlhf-colocate")
+            "verl-offload", "openrlhf", "openrlhf-colocate")
 """The policies of ``all``."""
 COST_RULE = ("gamma", "gamma-restart", "always-restart")
 """Policies that test the cost rule (``benchmarks/gamma_sweep.py``), run only when named."""
-ONLINE = ("static", "adaptive", "adaptive-restart", "always", "verl", "openrlhf", "openrlhf-colocate") + COST_RULE
+ONLINE = ("static", "adaptive", "adaptive-restart", "always", "verl", "verl-offload", "openrlhf",
+          "openrlhf-colocate") + COST_RULE
 RESTART_MODE = ("adaptive-restart", "gamma-restart", "always-restart")
 """Policies that switch plans by checkpoint and relaunch (a framework without live resharding)."""
 SCRIPTED = ("static-naive",)
@@ -101,19 +104,21 @@ def fsdp_tp_pp(job: JobSpec) -> tuple[tuple[str, int, int], ...]:
     return tuple(fixed)
 
 
-def verl_rule(job: JobSpec) -> LayoutRule:
+def verl_rule(job: JobSpec, offload: bool = False) -> LayoutRule:
     """verl-like: verl's FSDP backend on one hybrid-engine pool. ZeRO-3 for every model, frozen ones
     too (``fsdp.yaml``: the reference is an FSDP module sharded like the actor; verl's 32B GRPO
     example ``examples/grpo_trainer/run_qwen2_5_32b_fsdp.sh`` shards it so and adds
     ``ref.fsdp_config.param_offload=True``); the reward model as verl's FSDP reward worker (0.9.1 can
-    also serve it from vLLM; not modelled). Optimizer offload (``fsdp_config.optimizer_offload``, on
-    in verl's 32-70B examples) where the solver finds it pays: the Adam state in host memory between
-    optimizer steps, so the rollout's KV cache gets its room, priced by the ground truth at measured
-    host copy rates (``truth.memory.offload_copy_s``; held only around the step, as verl-project/
-    verl#7804 has it: verl's default holds it through the update call, a higher peak). Not modelled: parameter offload (the 32B example
+    also serve it from vLLM; not modelled). ``offload``: optimizer offload
+    (``fsdp_config.optimizer_offload``, on in verl's 32-70B examples) open to the solver where it
+    finds it pays (the ``verl-offload`` policy): the Adam state in host memory between optimizer
+    steps, so the rollout's KV cache gets its room, priced by the ground truth at measured host copy
+    rates (``truth.memory.offload_copy_s``; held only around the step, as verl-project/verl#7804 has
+    it: verl's default holds it through the update call, a higher peak). Not modelled: parameter offload (the 32B example
     offloads the reference's parameters), which the ground truth does not price."""
-    return LayoutRule(name="verl", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job), zeros=(3,),
-                      frozen_zeros=(3,), offload=(False, True))
+    return LayoutRule(name="verl-offload" if offload else "verl", placement="colocated",
+                      fixed_tp_pp=fsdp_tp_pp(job), zeros=(3,), frozen_zeros=(3,),
+                      offload=(False, True) if offload else ())
 
 
 def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> LayoutRule:
@@ -122,15 +127,13 @@ def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> L
     run DeepSpeed's eval engine at stage 3 when training does, ``utils/deepspeed/deepspeed.py``
     ``get_ds_eval_config``), vLLM engines at a fixed TP. ``colocate``: ``--colocate_all_models``, every
     model and the engines on all GPUs; else each model on pools of its own (``anchor``: the pools
-    kept). ``--adam_offload`` (the 70B example's) where the solver finds it pays, priced as verl's
-    optimizer offload (DeepSpeed's CPU Adam, which steps on the host, is not modelled apart). Not
-    modelled: ``--ref_reward_offload`` (parameter offload), for the reason ``verl_rule`` gives."""
+    kept). Not modelled: ``--adam_offload`` (the 70B example's: DeepSpeed's CPU Adam, which steps on
+    the host, a cost the ground truth does not price) and ``--ref_reward_offload`` (parameter offload)."""
     if colocate:
         return LayoutRule(name="openrlhf-colocate", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job),
-                          zeros=(3,), frozen_zeros=(3,), offload=(False, True))
+                          zeros=(3,), frozen_zeros=(3,))
     return LayoutRule(name="openrlhf" if anchor is not None else "openrlhf-pools", placement="disaggregated",
-                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,),
-                      offload=(False, True))
+                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,))
 
 
 def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload, gpus0: int, *,
@@ -159,8 +162,8 @@ def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload,
         if first is None:
             raise SpecError(f"static: no feasible plan for the first step on {gpus0} GPUs ({plans.last_message})")
         return Controller(job, cluster, rule=static_rule(first), initial_plan=first, **common)
-    if name == "verl":
-        return Controller(job, cluster, rule=verl_rule(job), **common)
+    if name in ("verl", "verl-offload"):
+        return Controller(job, cluster, rule=verl_rule(job, offload=name == "verl-offload"), **common)
     if name == "openrlhf-colocate":
         return Controller(job, cluster, rule=openrlhf_rule(job, colocate=True), **common)
     first = plans.best(openrlhf_rule(job, colocate=False), w0, gpus0, base)

@@ -43,7 +43,7 @@ from nereus.simulator.trace import Trace
 from nereus.simulator.truth.machine import GroundTruth, Observation
 from nereus.simulator.truth.timeline import idle_at, schedule_of
 
-SYNC_ON_ASYNC = ("static", "verl", "openrlhf", "openrlhf-colocate", "static-naive")
+SYNC_ON_ASYNC = ("static", "verl", "verl-offload", "openrlhf", "openrlhf-colocate", "static-naive")
 """Today's policies that plan synchronous steps also on an asynchronous job (the sync baselines)."""
 SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1), frozen_zeros=(1, 3))
 """The solver's option set in simulation: four generation KV-budget levels instead of seven (the
@@ -440,6 +440,7 @@ def _run_forked(names: list[str], workers: int, job, cluster, trace, gt, plans, 
     global _FORKED
     # rough seconds of each on the 1,000-step, 1,024-GPU benchmark (benchmarks/simulate_speed.py)
     cost = {"adaptive": 6.0, "adaptive-restart": 3.0, "always": 5.0, "static": 0.7, "openrlhf": 0.7, "verl": 0.7,
+            "verl-offload": 0.7,
             _PICKS: 1.0}
     pair = [n for n in ("adaptive", "adaptive-restart") if n in names]
     units = [[n] for n in names if n not in pair] + ([pair] if pair else [])
