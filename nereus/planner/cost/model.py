@@ -128,10 +128,17 @@ def offloaded(e: StageEstimate, params: CostParams) -> StageEstimate:
     backward transient and the state loaded for the step; moving it in and out once per step
     (``offload_s``) is paid in the stage's time. (verl's FSDP default loads it for the whole update
     call, verl-project/verl#5282: a peak this counts lower.)"""
-    opt = e.mem_breakdown.get("optimizer", 0.0)
-    off = offload_s(opt, params)
-    return replace(e, resident_bytes=e.resident_bytes - opt, transient_bytes=max(e.transient_bytes, opt),
+    off = offload_s(e.mem_breakdown.get("optimizer", 0.0), params)
+    resident, transient = offloaded_memory(e)
+    return replace(e, resident_bytes=resident, transient_bytes=transient,
                    time_s=e.time_s + off, time_breakdown={**e.time_breakdown, "optimizer_offload": off})
+
+
+def offloaded_memory(e: StageEstimate) -> tuple[float, float]:
+    """(resident, transient) bytes of training estimate ``e`` with its optimizer state in host memory
+    between steps (``offloaded``), without pricing the copies."""
+    opt = e.mem_breakdown.get("optimizer", 0.0)
+    return e.resident_bytes - opt, max(e.transient_bytes, opt)
 
 
 def _first_equal(job: JobSpec, model: ModelSpec) -> ModelSpec:

@@ -19,12 +19,7 @@ import numpy as np
 from nereus.errors import SpecError
 from nereus.models.inventory import check_tp
 from nereus.planner.cost.floors import memory_floor
-from nereus.planner.cost.model import (
-    engine_memory_util,
-    estimate,
-    offloaded,
-    weight_sync_s,
-)
+from nereus.planner.cost.model import engine_memory_util, estimate, offloaded, offloaded_memory, weight_sync_s
 from nereus.planner.schedules import ScheduleSpec
 from nereus.planner.solver.problem import PlanProblem
 from nereus.planner.specs import TRAINABLE, ParallelConfig
@@ -331,12 +326,8 @@ def _option(unit: Unit, cfg: ParallelConfig, ests, n_phases: int, cap: float, of
 
 
 def _peak(e, offload: bool) -> float:
-    """Resident + transient bytes of a training stage estimate, its optimizer state in host memory
-    between steps when ``offload`` (``cost.model.offloaded``)."""
-    if not offload:
-        return e.resident_bytes + e.transient_bytes
-    opt = e.mem_breakdown.get("optimizer", 0.0)
-    return e.resident_bytes - opt + max(e.transient_bytes, opt)
+    """Resident + transient bytes of a training stage estimate (``offload``: ``offloaded_memory``)."""
+    return sum(offloaded_memory(e)) if offload else e.resident_bytes + e.transient_bytes
 
 
 def _generation_options(problem: PlanProblem, unit: Unit, size: int, n_phases: int, sync_keys: tuple,
