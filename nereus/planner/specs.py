@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from nereus.errors import SpecError
-from nereus.jsonio import MAX_WHOLE as _MAX_WHOLE, check_keys, naming, one_line, read_text
+from nereus.jsonio import MAX_WHOLE as _MAX_WHOLE, check_keys, naming, number, one_line, read_text
 from nereus.models.spec import ModelSpec, load_model
 from nereus.planner.cluster import GPU_PRESETS, MAX_GPUS, ClusterSpec, GPUSpec, _positive  # noqa: F401 (re-exported)
 from nereus.planner.schedules import ScheduleSpec
@@ -66,10 +66,17 @@ class SequenceSpec:
     """Training and log-prob micro-batches are padded to the step's longest sequence (no
     remove-padding / packing, as in Nereus's reference executor): activations scale with
     micro_batch x (prompt + longest response) instead of the tokens actually there."""
+    response_len_prompt_corr: float = 0.0
+    """How strongly the lengths of one prompt's responses go together: the intraclass correlation of
+    a step's response lengths grouped by prompt (``adapters.prompt_length_correlation``), 0 =
+    independent. Micro-batches hold a prompt's adjacent samples, so it sets the longest micro-batch.
+    Measure it from a logged batch (verl: ``response_length`` grouped by ``uid``); the online
+    controller measures it from ``StepMetrics.response_len_prompt_corr``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.padded, bool):
             raise SpecError(f"sequence: padded must be true or false, got {self.padded!r}")
+        number("sequence", "response_len_prompt_corr", self.response_len_prompt_corr, maximum=1.0)
         _positive("sequence", "prompt_len", self.prompt_len)
         _positive("sequence", "response_len_mean", self.response_len_mean, real=True)
         _positive("sequence", "response_len_max", self.response_len_max)
@@ -201,6 +208,7 @@ class JobSpec:
         return Workload(
             sequences=self.batch.sequences, prompt_len=s.prompt_len, response_len_mean=s.response_len_mean,
             response_len_max=s.response_len_max, response_len_p90=s.response_len_p90,
+            samples_per_prompt=self.batch.samples_per_prompt, response_len_prompt_corr=s.response_len_prompt_corr,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,6 +219,8 @@ class JobSpec:
             seq["response_len_p90"] = s.response_len_p90
         if s.padded:
             seq["padded"] = True
+        if s.response_len_prompt_corr:
+            seq["response_len_prompt_corr"] = s.response_len_prompt_corr
         b = self.batch
         return {
             "algorithm": self.algorithm,
@@ -235,7 +245,8 @@ class JobSpec:
         pairs = tuple((r, load_model(models[r], base_dir)) for r in ROLES if r in models)
         check_keys("job.batch", d["batch"], {"prompts", "samples_per_prompt", "ppo_epochs", "mini_batches"}, ("prompts",))
         check_keys("job.sequence", d["sequence"],
-                    {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90", "padded"},
+                    {"prompt_len", "response_len_mean", "response_len_max", "response_len_p90", "padded",
+                     "response_len_prompt_corr"},
                     ("prompt_len", "response_len_mean", "response_len_max"))
         rollout = d.get("rollout") or {}
         check_keys("job.rollout", rollout, {f.name for f in fields(RolloutSpec)})
@@ -256,9 +267,15 @@ class Workload:
     response_len_mean: float
     response_len_max: int
     response_len_p90: float | None = None
+    samples_per_prompt: int = 1
+    """Adjacent sequences that share a prompt (the job's ``batch.samples_per_prompt``)."""
+    response_len_prompt_corr: float = 0.0
+    """Intraclass correlation of response lengths within a prompt (``SequenceSpec``)."""
 
     def __post_init__(self) -> None:
         _positive("workload", "sequences", self.sequences)
+        _positive("workload", "samples_per_prompt", self.samples_per_prompt)
+        number("workload", "response_len_prompt_corr", self.response_len_prompt_corr, maximum=1.0)
         _positive("workload", "prompt_len", self.prompt_len)
         _positive("workload", "response_len_mean", self.response_len_mean, real=True)
         _positive("workload", "response_len_max", self.response_len_max)

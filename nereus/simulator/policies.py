@@ -38,6 +38,7 @@ Offline (``oracle.py``): ``hindsight`` (the best single layout for the whole tra
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from nereus.errors import SpecError
@@ -228,3 +229,14 @@ def naive_fix(job: JobSpec, plan: Plan, stage: str) -> Plan | None:
 
 def _with(plan: Plan, configs: dict) -> Plan:
     return replace(plan, stages=tuple(replace(s, config=configs.get(s.name, s.config)) for s in plan.stages))
+
+
+def solve_grid(w: Workload, ratio: float = SOLVE_BUCKET_RATIO) -> Workload:
+    """``w`` on the workload grid the simulated controllers ask the solver on (mean response length
+    on a log grid of ``ratio``, the p90 / mean ratio in quarters): the offline policies' extra
+    candidates then share the solver's cached cost tables with the online policies' plans. A
+    candidate is only a candidate: the offline policies score it with the truth's exact times."""
+    r = math.log(ratio)
+    mean = min(round(math.exp(round(math.log(w.response_len_mean) / r) * r), 1), 0.98 * w.response_len_max)
+    q = round(4 * w.p90 / w.response_len_mean) / 4
+    return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), q * mean), 1))

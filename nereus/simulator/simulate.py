@@ -3,8 +3,9 @@
 Per step of an online policy: the plan decided after the previous step runs the step in the ground
 truth (``truth.machine.GroundTruth``); the policy sees only what a training loop logs (per-stage
 seconds, the sampled responses' mean and longest, the trainer's cap, peak memory, the GPUs granted
-next, and whether the step ran out of memory) and decides the next plan; a layout change blocks
-the job for its ground-truth transition time.
+next, and whether the step ran out of memory) and the lengths' within-prompt correlation a loop
+measures from its batch (``_metrics``), and decides the next plan; a layout change blocks the job
+for its ground-truth transition time.
 
 A step that runs out of memory is a crash, as on a real cluster: the time until the failure plus a
 restart (relaunch, checkpoint read, engine start) is lost, the policy is told (``oom``), and the
@@ -25,6 +26,7 @@ import numpy as np
 
 from nereus.errors import NereusError, SpecError
 from nereus.planner.cost.params import CostParams
+from nereus.planner.online.adapters import prompt_length_correlation
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.controller import StepMetrics
 from nereus.planner.online.plan_cache import FREE, PlanCache, scale_plan
@@ -34,8 +36,8 @@ from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 from nereus.simulator import oracle as offline
 from nereus.simulator import shared_cache
 from nereus.planner.online.admission import AdmissionConstants
-from nereus.simulator.policies import (COST_RULE, OFFLINE, ONLINE, POLICIES, RESTART_MODE, SOLVE_BUCKET_RATIO,
-                                      make_controller, naive_fix, naive_plan, rescale_naive)
+from nereus.simulator.policies import (COST_RULE, OFFLINE, ONLINE, POLICIES, RESTART_MODE,
+                                      make_controller, naive_fix, naive_plan, rescale_naive, solve_grid)
 from nereus.simulator.async_policies import (ASYNC_ONLINE, ASYNC_POLICIES, idle_summary, is_async,
                                              make_async_controller, mark, policy_job, split_family, sync_job)
 from nereus.simulator.schedules import TransitionSchedules
@@ -113,15 +115,21 @@ class PolicyResult:
                 **idle_summary(self.idle, len(self.idle))}
 
 
-def _metrics(trace: Trace, i: int, obs: Observation, base_prompt: int, *, retry: bool = False) -> StepMetrics:
-    """What a training loop logs after step ``i`` (no p90: verl does not log one)."""
+def _metrics(trace: Trace, i: int, obs: Observation, base_prompt: int, gt, samples: int, *,
+             retry: bool = False) -> StepMetrics:
+    """What a training loop logs after step ``i`` (no p90: verl does not log one), and what a loop
+    integrated with Nereus measures from its batch: the lengths' within-prompt correlation
+    (``adapters.prompt_length_correlation``; None where the world samples no lengths)."""
     r = trace.rows[i]
     nxt = r if retry else trace.rows[min(i + 1, len(trace.rows) - 1)]
+    lengths = getattr(gt, "lengths", None)
+    corr = None if lengths is None else prompt_length_correlation(lengths(i), samples_per_prompt=samples)
     return StepMetrics(step=r.step, response_len_mean=obs.response_len_mean, response_len_max=obs.response_len_max,
                        prompt_len=base_prompt if r.prompt_len_mean is None else round(r.prompt_len_mean),
                        stage_times=dict(obs.stage_s) if obs.feasible else {}, peak_mem_gib=obs.peak_mem_gib,
                        gpus_available=nxt.gpus, response_len_cap=nxt.cap, oom=not obs.feasible,
-                       oom_stage=obs.oom_stage, step_s=obs.step_s if obs.feasible else None)
+                       oom_stage=obs.oom_stage, step_s=obs.step_s if obs.feasible else None,
+                       response_len_prompt_corr=corr)
 
 
 class _Run:
@@ -162,7 +170,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
                admission: AdmissionConstants | None = None) -> PolicyResult:
     t0 = time.perf_counter()
     solves0 = plans.solves
-    base = job.workload()
+    base, n_samples = job.workload(), job.batch.samples_per_prompt
     extra = {} if name in ASYNC_ONLINE else {"admission": admission}
     make = make_async_controller if name in ASYNC_ONLINE else make_controller
     ctl = make(name, job, cluster, trace.workload(0, base), trace.rows[0].gpus, total_steps=len(trace),
@@ -181,7 +189,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
             run.ooms[i] += 1
             run.restarts[i] += 1
             run.restart[i] += obs.lost_s + gt.restart_s(plan)
-            d = ctl.step(_metrics(trace, i, obs, base.prompt_len, retry=True))
+            d = ctl.step(_metrics(trace, i, obs, base.prompt_len, gt, n_samples, retry=True))
             if not d.feasible and d.plan is plan:  # the policy has nothing else to run: the batch is lost
                 run.dropped[i] = True
                 break
@@ -194,7 +202,7 @@ def run_online(name: str, job: JobSpec, cluster: ClusterSpec, trace: Trace, gt: 
             break
         if obs is None:
             continue
-        d = ctl.step(_metrics(trace, i, obs, base.prompt_len))
+        d = ctl.step(_metrics(trace, i, obs, base.prompt_len, gt, n_samples))
         if not d.resolved:
             overhead.append(d.overhead_s * 1e3)
         if d.action == "switch":
@@ -278,17 +286,6 @@ def offline_candidates(job: JobSpec, results: Iterable[PolicyResult], picked: It
             cands.setdefault((q.key(), schedule_of(q)), q)
     out = list(cands.values())
     return out, list(range(n_used, len(out))), used
-
-
-def solve_grid(w: Workload, ratio: float = SOLVE_BUCKET_RATIO) -> Workload:
-    """``w`` on the workload grid the simulated controllers ask the solver on (mean response length
-    on a log grid of ``ratio``, the p90 / mean ratio in quarters): the offline policies' extra
-    candidates then share the solver's cached cost tables with the online policies' plans. A
-    candidate is only a candidate: the offline policies score it with the truth's exact times."""
-    r = math.log(ratio)
-    mean = min(round(math.exp(round(math.log(w.response_len_mean) / r) * r), 1), 0.98 * w.response_len_max)
-    q = round(4 * w.p90 / w.response_len_mean) / 4
-    return replace(w, response_len_mean=mean, response_len_p90=round(min(float(w.response_len_max), q * mean), 1))
 
 
 def run_offline(job: JobSpec, trace: Trace, gt: GroundTruth, plans: PlanCache, results: list[PolicyResult],

@@ -52,6 +52,7 @@ from nereus.planner.cost.passes import (
     logprob_vocab_s,
     padded_tokens,
     seq_moments,
+    worst_micro_batch,
 )
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig, Workload
 
@@ -169,7 +170,7 @@ def micro_batches(w: Workload, per_step: int, padded: bool) -> Callable[[Paralle
         if padded or cfg.token_budget:
             return _micro_batches(w, cfg, per_step, padded, 0)
         seqs, b = w.sequences / (per_step * (cfg.dp // cfg.seq_split)), cfg.micro_batch
-        return max(1, math.ceil(seqs / b)), b * s_mean, (b - 1) * s_mean + longest
+        return max(1, math.ceil(seqs / b)), b * s_mean, worst_micro_batch(w, b, s_mean, longest)
     return batches
 
 

@@ -57,7 +57,19 @@ def _micro_batches(w: Workload, cfg: ParallelConfig, per_step: int, padded: bool
         return m, seqs * s_mean / m, max(float(budget) * s_mean / s_real, longest)
     b = cfg.micro_batch
     m = max(1, math.ceil(seqs / b))
-    return m, b * s_mean, (b - 1) * s_mean + longest
+    return m, b * s_mean, worst_micro_batch(w, b, s_mean, longest)
+
+
+def worst_micro_batch(w: Workload, b: int, s_mean: float, longest: float) -> float:
+    """Tokens of the largest micro-batch of ``b`` sequences: the one holding the step's longest.
+    A micro-batch holds adjacent sequences, and a prompt's samples are adjacent, so up to
+    ``samples_per_prompt`` - 1 of the others share its prompt; with intraclass correlation ``rho``
+    (``Workload.response_len_prompt_corr``) each of them is expected at mean + rho x (longest -
+    mean) (the regression to the mean of correlated lengths), the rest at the mean. rho = 0: the
+    independent bound (b - 1) x mean + longest."""
+    rho = w.response_len_prompt_corr
+    same = min(b, w.samples_per_prompt) - 1 if rho else 0
+    return (b - 1) * s_mean + longest + same * rho * (longest - s_mean)
 
 
 def _computed(w: Workload, cfg: ParallelConfig, mb_tokens: float, s_sq: float, padded: bool) -> tuple[float, float]:

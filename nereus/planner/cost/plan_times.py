@@ -73,7 +73,8 @@ def as_batch(job: JobSpec, plan: Plan) -> Plan:
 
 
 def workload_key(w: Workload) -> tuple:
-    return (w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90)
+    return (w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90,
+            w.samples_per_prompt, w.response_len_prompt_corr)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Callable
 
@@ -144,6 +145,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         self._prev_gpus = self.gpus
         self._cur_horizon_s = math.inf
         self._base_w = job.workload()
+        self._corr: deque[float] = deque(maxlen=10)
+        """The last within-prompt length correlations measured (``_learn_corr``)."""
         self._cap = int(job.sequence.response_len_max)
         self._eval: dict[tuple, PlanTimes] = {}
         self._stage_memo: dict[tuple, object] = {}
@@ -190,6 +193,7 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         t0 = time.perf_counter()
         self._prev_plan = None  # this step ran: the last switch, if any, was applied
         solves0 = self.plans.solves
+        self._learn_corr(m)
         w_obs = self._observed_workload(m)
         self._calibrate(m, w_obs)
         cap = self._next_cap(m)
@@ -254,6 +258,20 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
             self._cap = int(m.response_len_max)
         return self._cap
 
+    def _learn_corr(self, m: StepMetrics) -> None:
+        """The within-prompt length correlation every workload is planned with: the mean of the last
+        10 measured (``StepMetrics.response_len_prompt_corr``; the job's own value until one is), on
+        a 0.05 grid (about one step's estimate noise at a few hundred prompts), moved only when the
+        mean leaves the current value by more than a grid step (a mean near a grid boundary would
+        otherwise flip it, and every flip is a new workload to solve for)."""
+        c = m.response_len_prompt_corr
+        if c is None or not math.isfinite(c):
+            return
+        self._corr.append(min(1.0, max(0.0, float(c))))
+        mean = sum(self._corr) / len(self._corr)
+        if abs(mean - self._base_w.response_len_prompt_corr) > 0.05:
+            self._base_w = replace(self._base_w, response_len_prompt_corr=round(20 * mean) / 20)
+
     def _observed_workload(self, m: StepMetrics) -> Workload:
         b = self._base_w
         mx = max(int(m.response_len_max), int(math.ceil(m.response_len_mean)))
@@ -275,7 +293,8 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
         reserve (``judged_as``'s where given; cached per plan, workload and reserve)."""
         r = self._reserve_for(judged_as or plan)
-        key = (plan.key(), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90, r)
+        key = (plan.key(), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90,
+               w.response_len_prompt_corr, r)
         t = self._eval.get(key)
         if t is None:
             if len(self._eval) > 20000:

@@ -164,7 +164,7 @@ class PlanCache:
         solver: it is not in the key, and a step-time solve does not read it (only a transition-aware
         one, ``amortize_steps`` > 0, would, which this cache never asks for)."""
         key = (rule.key(), gpus, w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max,
-               w.response_len_p90, calib_key, params, reserve_gib)
+               w.response_len_p90, w.samples_per_prompt, w.response_len_prompt_corr, calib_key, params, reserve_gib)
         if key in self._plans:
             return self._plans[key]
         plan = self._solve(rule, w, gpus, params, None, reserve_gib)

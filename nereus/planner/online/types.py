@@ -32,6 +32,9 @@ class StepMetrics:
     """The step failed with out-of-memory on the current plan."""
     oom_stage: str | None = None
     """The model-stage that ran out of memory, when known (a crash's traceback names it)."""
+    response_len_prompt_corr: float | None = None
+    """The intraclass correlation of this step's response lengths within a prompt, when measured
+    (``adapters.prompt_length_correlation``): the controller plans its longest micro-batch with it."""
     step_s: float | None = None
     """The step's wall time (verl's ``timing_s/step``), when logged: on an asynchronous plan the
     stages overlap, and only the step says by how much (``Controller._calibrate``)."""
