@@ -1,9 +1,12 @@
 """The reproduction's tables (SIMULATED), printed from the JSON ``simulate_repro.py --json`` wrote:
 the README's (published figures' row first; every ratio on the steps both policies completed), then
 ``docs/repro.md``'s mean step seconds of every policy (completed steps beside them) and the runs not
-made, with the reason.
+made, with the reason. With several JSONs (``--compare``), ``docs/repro.md``'s sensitivity table: each
+policy's mean step seconds (OOM crashes) run by run, "A -> B -> C" in the order given.
 
     .venv/bin/python benchmarks/repro_table.py benchmarks/results/simulate_repro.json
+    .venv/bin/python benchmarks/repro_table.py --compare benchmarks/results/simulate_repro.json \
+        benchmarks/results/simulate_repro_planner_truth.json benchmarks/results/simulate_repro_planner_truth_no_reserve.json
 """
 from __future__ import annotations
 
@@ -90,9 +93,41 @@ def step_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+COMPARED = ("static", "hindsight", "adaptive", "always", "oracle")
+
+
+def compare_table(ds: list[dict]) -> str:
+    """Mean step s (OOM crashes) of ``COMPARED`` and the better verl-like, per run present in every
+    JSON, "A -> B -> ..."; then the OOM crashes over every policy and run of each."""
+    def cell(x: dict | None) -> str:
+        if x is None or "not_run" in x:
+            return "not run"
+        return f"{x['mean_step_s']:.1f}" + (f" ({x['ooms']})" if x["ooms"] else "")
+
+    def verl(pols: dict) -> dict | None:
+        got = [pols[p] for p in ("verl", "verl-offload") if p in pols and "not_run" not in pols[p]]
+        return min(got, key=lambda x: x["mean_step_s"], default=None)
+
+    runs = [{(r["job"], r["trace"]): r["policies"] for r in d["runs"]} for d in ds]
+    rows = ["| job / trace | " + " | ".join(COMPARED) + " | best verl-like |", "|---|" + "---|" * (len(COMPARED) + 1)]
+    for key in (k for k in runs[0] if all(k in r for r in runs)):
+        cells = [" -> ".join(cell(r[key].get(p)) for r in runs) for p in COMPARED]
+        cells.append(" -> ".join(cell(verl(r[key])) for r in runs))
+        rows.append(f"| {key[0]} / {key[1]} | " + " | ".join(cells) + " |")
+    total = [sum(x["ooms"] for pols in r.values() for x in pols.values() if "ooms" in x) for r in runs]
+    ad = [sum(pols["adaptive"]["ooms"] for pols in r.values() if "ooms" in pols.get("adaptive", {})) for r in runs]
+    st = [sum(pols["static"]["ooms"] for pols in r.values() if "ooms" in pols.get("static", {})) for r in runs]
+    rows += ["", "OOM crashes over every policy and run: " + " -> ".join(map(str, total))
+             + "; adaptive's " + " -> ".join(map(str, ad)) + ", static's " + " -> ".join(map(str, st)) + "."]
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--compare":
+        print(compare_table([json.loads(open(f).read()) for f in sys.argv[2:]]))
+        sys.exit(0)
     if len(sys.argv) != 2:
-        sys.exit("usage: repro_table.py SIMULATE_REPRO.json")
+        sys.exit("usage: repro_table.py SIMULATE_REPRO.json | --compare A.json B.json [C.json ...]")
     data = json.loads(open(sys.argv[1]).read())
     print(table(data))
     print()
