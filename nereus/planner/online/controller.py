@@ -55,7 +55,8 @@ from typing import Callable
 
 from nereus.errors import NereusError
 from nereus.planner.cost.params import CostParams
-from nereus.planner.cost.plan_times import PlanTimes, as_batch, compose_step, evaluate_times, overlap_kind
+from nereus.planner.cost.plan_times import (PlanTimes, as_batch, compose_step, evaluate_times, overlap_kind,
+                                           workload_key)
 from nereus.planner.online.admission import AdmissionRules
 from nereus.planner.online.audit import AuditLog
 from nereus.planner.online.calibration import OnlineCalibration
@@ -293,8 +294,7 @@ class Controller(CandidateLibrary, AdmissionRules, MemoryReserve, RestartMode):
         """The uncorrected model's times and memory of ``plan`` on ``w``, with the plan's memory
         reserve (``judged_as``'s where given; cached per plan, workload and reserve)."""
         r = self._reserve_for(judged_as or plan)
-        key = (plan.key(), w.prompt_len, w.response_len_mean, w.response_len_max, w.response_len_p90,
-               w.response_len_prompt_corr, r)
+        key = (plan.key(), workload_key(w), r)
         t = self._eval.get(key)
         if t is None:
             if len(self._eval) > 20000:

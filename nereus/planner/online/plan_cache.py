@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from nereus.errors import InfeasibleError, SpecError
 from nereus.planner.cost.params import CostParams
+from nereus.planner.cost.plan_times import workload_key
 from nereus.planner.plan import Plan
 from nereus.planner.specs import ClusterSpec, JobSpec, Workload
 
@@ -163,8 +164,7 @@ class PlanCache:
         alone, whoever asked first. ``hint`` (the asker's current plan) is therefore not handed to the
         solver: it is not in the key, and a step-time solve does not read it (only a transition-aware
         one, ``amortize_steps`` > 0, would, which this cache never asks for)."""
-        key = (rule.key(), gpus, w.sequences, w.prompt_len, w.response_len_mean, w.response_len_max,
-               w.response_len_p90, w.samples_per_prompt, w.response_len_prompt_corr, calib_key, params, reserve_gib)
+        key = (rule.key(), gpus, workload_key(w), calib_key, params, reserve_gib)
         if key in self._plans:
             return self._plans[key]
         plan = self._solve(rule, w, gpus, params, None, reserve_gib)
