@@ -13,6 +13,7 @@ from nereus.planner.cost.params import CostParams
 from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
 from nereus.planner.transition.graph import assemble
+from nereus.planner.transition.loads import role_loads
 from nereus.planner.transition.pieces import _PHASES, choose_sources, compute_pieces, link_bandwidths, same_holdings
 from nereus.planner.transition.schedule import ScheduleProblem
 from nereus.planner.transition.schedule_cpsat import schedule_transition
@@ -86,7 +87,8 @@ def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSp
     receive time, models' sources chosen one model at a time). It is ``plan_transition``'s
     ``lower_bound_s`` up to the joint source choice and local-copy time: on the benchmark's plan
     pairs (benchmarks/transition_scaling.py) it was 1.00-1.18x that bound and 0.93-1.13x the
-    scheduled makespan. Cached by ``layout_key`` and per model move. Identical layouts cost 0."""
+    scheduled makespan. Cached by ``layout_key`` and per model move (its placement with ep/etp);
+    the per-GPU loads come from ``loads.role_loads`` (no piece list). Identical layouts cost 0."""
     if plan_a.layout_key() == plan_b.layout_key():
         return 0.0
     if job is None:
@@ -110,7 +112,8 @@ def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan)
         pa, pb = plan_a.home(role), plan_b.home(role)
         if same_holdings(pa, pb):
             continue
-        key = lambda p: (p.name, p.first_gpu, p.gpus, p.config.tp, p.config.pp, p.config.dp, p.config.zero)  # noqa: E731
+        key = lambda p: (p.name, p.first_gpu, p.gpus, p.config.tp, p.config.pp, p.config.dp, p.config.zero,  # noqa: E731
+                         p.config.ep, p.config.etp)
         rs, rr = _role_loads(job, cluster, role, key(pa), key(pb))
         for g, v in rs:
             send[g] = send.get(g, 0.0) + v
@@ -123,18 +126,12 @@ def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan)
 def _role_loads(job: JobSpec, cluster: ClusterSpec, role: str, a: tuple, b: tuple) -> tuple[tuple, tuple]:
     """(send, receive) seconds per GPU for moving one model from placement ``a`` to ``b``."""
     def placement(k: tuple) -> StagePlacement:
-        return StagePlacement(name=k[0], config=ParallelConfig(tp=k[3], pp=k[4], dp=k[5], zero=k[6]), pool=0,
+        return StagePlacement(name=k[0], config=ParallelConfig(tp=k[3], pp=k[4], dp=k[5], zero=k[6], ep=k[7], etp=k[8]),
+                              pool=0,
                               first_gpu=k[1], gpus=k[2])
 
-    plan_a, plan_b = Plan(stages=(placement(a),)), Plan(stages=(placement(b),))
-    pieces = compute_pieces(job, plan_a, plan_b, roles=(role,))
     bw_intra, bw_inter = link_bandwidths(cluster)
-    send = choose_sources(pieces, cluster, bw_intra, bw_inter)
-    recv: dict[int, float] = {}
-    for m in pieces.moves:
-        if m[5] != m[1]:
-            bw = bw_intra if m[5] // cluster.gpus_per_node == m[1] // cluster.gpus_per_node else bw_inter
-            recv[m[1]] = recv.get(m[1], 0.0) + m[6] / bw
+    send, recv = role_loads(job, cluster, role, placement(a), placement(b), bw_intra, bw_inter)
     return tuple(sorted(send.items())), tuple(sorted(recv.items()))
 
 
