@@ -170,3 +170,23 @@ def test_a_config_that_ran_out_of_memory_holds_out_never_run_plans_as_hungry():
     assert r.hungrier(("new",), {"actor/training": 71.0})
     r.ran(("d",), {"actor/training": 72.0}, 73.0, configs={"actor/training": c})
     assert not r.hungrier(("new",), {"actor/training": 71.0}) and r.hungrier(("new",), {"actor/training": 73.0})
+
+
+def test_clean_steps_before_a_plans_first_oom_do_not_dilute_its_crash_rate():
+    """Responses grow in RL: a plan's clean steps before its first OOM ran shorter responses and say
+    little of the rate at the lengths where it failed. 40 clean steps, then an OOM: 1 / 2 per step
+    (was 1 / 42, which let a decayed reserve bring it straight back); 5 clean steps later 1 / 7; a
+    second OOM 2 / 8. SIMULATED grpo-32b ramp_1024: adaptive 6 -> 4 crash-restarts."""
+    r = MemoryReserves(usable_gib=78.0, quantum_gib=1.0)
+    key, peaks = ("p",), {"actor/training": 60.0}
+    for _ in range(40):
+        r.ran(key, peaks, 61.0)
+    assert r.crash_rate(key) == 0.0
+    r.oom(key, {**peaks, "actor/generation": 50.0}, "actor/training", judged_fit=True)
+    assert math.isclose(r.crash_rate(key), 1 / 2)
+    for _ in range(5):
+        r.ran(key, peaks, 61.0)
+    assert math.isclose(r.crash_rate(key), 1 / 7)
+    r.oom(key, {**peaks, "actor/generation": 50.0}, "actor/training", judged_fit=True)
+    assert math.isclose(r.crash_rate(key), 2 / 8)
+    assert r.runs[key] == 45  # the plan's whole record is kept (first-run and never-run judgements)

@@ -32,7 +32,10 @@ training do not share one); a plan never run predicted at least as hungry in a m
 config that ran out of memory there is held out, until that config runs that hungry. SIMULATED ppo-32b ramp_1024: without floors, decayed reserves
 re-admitted never-run plans hungrier than failed ones.
 
-Crash rate (``crash_rate``): a plan's strikes / (strikes + clean steps + 1). A reserve that decays
+Crash rate (``crash_rate``): a plan's strikes / (strikes + clean steps since its first OOM + 1); the
+clean steps before it ran shorter responses (lengths grow in RL) and say little of the rate where it
+failed (counting them, SIMULATED grpo-32b ramp_1024 re-admitted a plan after 1 OOM in 47 steps, and
+it crashed again). A reserve that decays
 re-admits a plan the model predicts to fit; the plan's own record says how often it did not. The
 controller adds the expected crash-restarts to every plan's seconds over the horizon.
 """
@@ -88,6 +91,8 @@ class MemoryReserves:
         """Per plan that ran out of memory: how often."""
         self.runs: dict[tuple, int] = {}
         """Per plan: the steps it ran without running out of memory."""
+        self.since: dict[tuple, int] = {}
+        """Per plan that ran out of memory: the clean steps it ran since its first OOM."""
         self.floor: dict[tuple, float] = {}
         """Per model-stage and config (``stage_key``): the predicted peak (GiB) from which plans
         never run are held out, the lowest a plan that ran out of memory there with that config had
@@ -123,6 +128,7 @@ class MemoryReserves:
         model-stage (GiB, generation included). ``judged_fit``: whether it was predicted to fit (a
         plan run for want of another teaches the shared reserves nothing new, but is struck)."""
         self.struck[key] = self.struck.get(key, 0) + 1
+        self.since.setdefault(key, 0)
         if not peaks:
             return
         if stage in peaks and stage != GENERATION:
@@ -143,6 +149,8 @@ class MemoryReserves:
         """Plan ``key`` ran a step without OOM; ``peaks``: its predicted peak per model-stage other
         than generation (GiB); ``observed_gib``: the step's measured peak, when logged."""
         self.runs[key] = self.runs.get(key, 0) + 1
+        if key in self.since:
+            self.since[key] += 1
         if not peaks:
             return
         top = max(peaks.values())
@@ -186,11 +194,11 @@ class MemoryReserves:
 
     def crash_rate(self, key: tuple) -> float:
         """Out-of-memory failures per step of plan ``key`` as measured: strikes / (strikes + clean
-        steps + 1); 0 for a plan that never ran out of memory. A decayed reserve says a struck plan
+        steps since its first OOM + 1); 0 for a plan that never ran out of memory. A decayed reserve says a struck plan
         is predicted to fit again; this says how often it failed where it ran (the controller prices
         it, ``Controller._score``)."""
         k = self.struck.get(key, 0)
-        return k / (k + self.runs.get(key, 0) + 1) if k else 0.0
+        return k / (k + self.since.get(key, self.runs.get(key, 0)) + 1) if k else 0.0
 
     def to_dict(self) -> dict:
         return {"common_gib": self.common_gib, "stage_gib": {s: self.stage_gib(s) for s in self.stage},
