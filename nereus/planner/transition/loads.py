@@ -20,13 +20,9 @@ integer bytes per link class (not done).
 """
 from __future__ import annotations
 
-import heapq
-
 from nereus.planner.plan import StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec
-from nereus.planner.transition.emu import dp_sharded
-from nereus.planner.transition.pieces import (_box_cuts, _cuts, _expert_grid, _holder_map, _kind_groups,
-                                              _role_templates)
+from nereus.planner.transition.pieces import _holder_map, _kind_groups, _role_templates, least_loaded, template_cuts
 from nereus.planner.transition.types import DTYPE_BYTES
 
 
@@ -42,33 +38,15 @@ def role_loads(job: JobSpec, cluster: ClusterSpec, role: str, pa: StagePlacement
     split: dict[tuple[int, int], tuple[int, ...]] = {}
     for kinds, dtype in _kind_groups(role, True, True):
         for t, names in _role_templates(job, role, pa, pb):
-            if t.expert is None:
-                cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
-                             (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
-            else:
-                m = job.model(role)
-                cuts = _box_cuts(tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pa)),
-                                 tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pb)))
             src = _holder_map(job, role, t, kinds[0], pa, intern)
             dst = _holder_map(job, role, t, kinds[0], pb)
             if src == dst:
                 continue  # every holding kept in place
             unit = DTYPE_BYTES[dtype] * len(names) * len(kinds)
-            _template(src, dst, cuts, unit, gpn, bw_intra, bw_inter, send, recv, flex, split)
+            _template(src, dst, template_cuts(job, role, t, kinds[0], pa, pb), unit, gpn, bw_intra, bw_inter,
+                      send, recv, flex, split)
     flex.sort(key=lambda x: (x[0], x[1]))
-    heaps: dict[tuple, list[tuple[float, int]]] = {}
-    for negcost, _, g_dst, cands, nbytes in flex:
-        h = heaps.get(cands)
-        if h is None:
-            h = heaps[cands] = [(send.get(c, 0.0), c) for c in cands]
-            heapq.heapify(h)
-        while True:  # lazy heap, as choose_sources
-            lo, g = heapq.heappop(h)
-            if lo == send.get(g, 0.0):
-                break
-            heapq.heappush(h, (send.get(g, 0.0), g))
-        send[g] = lo - negcost
-        heapq.heappush(h, (send[g], g))
+    for (_, _, g_dst, _, nbytes), g in zip(flex, least_loaded(((-x[0], x[3]) for x in flex), send)):
         bw = bw_intra if g // gpn == g_dst // gpn else bw_inter
         recv[g_dst] = recv.get(g_dst, 0.0) + nbytes / bw
     return send, recv

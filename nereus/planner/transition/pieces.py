@@ -176,16 +176,20 @@ def compute_pieces(job: JobSpec, plan_a: Plan, plan_b: Plan, *, mixed_precision:
             for t, names in _role_templates(job, role, pa, pb):
                 ti = len(out.templates)
                 out.templates.append(Template(role, names, kinds, dtype, storage_dim(t)))
-                if t.expert is None:
-                    cuts = _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kinds[0], pa), pa.config.tp, pa.config.dp),
-                                 (dp_sharded(kinds[0], pb), pb.config.tp, pb.config.dp))
-                else:
-                    m = job.model(role)
-                    cuts = _box_cuts(tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pa)),
-                                     tuple(b for _, _, b in _expert_grid(t, m.experts, kinds[0], pb)))
                 _template_pieces(out, ti, _holder_map(job, role, t, kinds[0], pa, intern), _holder_map(job, role, t, kinds[0], pb),
-                                 cuts, DTYPE_BYTES[dtype] * len(names) * len(kinds))
+                                 template_cuts(job, role, t, kinds[0], pa, pb), DTYPE_BYTES[dtype] * len(names) * len(kinds))
     return out
+
+
+def template_cuts(job: JobSpec, role: str, t: TensorInfo, kind: str, pa: StagePlacement, pb: StagePlacement) -> dict:
+    """Destination box -> ((source box, intersection, elements), ...) of one tensor template and
+    kind between placements ``pa`` and ``pb`` (routed experts by their expert grid)."""
+    if t.expert is None:
+        return _cuts(t.shape, t.tp_dim, t.tp_max, (dp_sharded(kind, pa), pa.config.tp, pa.config.dp),
+                     (dp_sharded(kind, pb), pb.config.tp, pb.config.dp))
+    experts = job.model(role).experts
+    return _box_cuts(tuple(b for _, _, b in _expert_grid(t, experts, kind, pa)),
+                     tuple(b for _, _, b in _expert_grid(t, experts, kind, pb)))
 
 
 @lru_cache(maxsize=4096)
@@ -271,8 +275,16 @@ def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_int
         else:
             flex.append((-cost, i, m, cands))
     flex.sort(key=lambda x: (x[0], x[1]))
+    for (_, _, m, _), g in zip(flex, least_loaded(((-x[0], x[3]) for x in flex), load)):
+        m[5] = g
+    return load
+
+
+def least_loaded(items: Iterator[tuple[float, tuple[int, ...]]], load: dict[int, float]) -> Iterator[int]:
+    """For each (cost, candidate GPUs) in order, the least-loaded candidate (ties to the lowest id),
+    adding the cost to its entry of ``load``: the greedy of ``choose_sources`` (and ``loads``)."""
     heaps: dict[tuple, list[tuple[float, int]]] = {}
-    for negcost, _, m, cands in flex:
+    for cost, cands in items:
         h = heaps.get(cands)
         if h is None:
             h = heaps[cands] = [(load.get(c, 0.0), c) for c in cands]
@@ -282,10 +294,9 @@ def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_int
             if lo == load.get(g, 0.0):
                 break
             heapq.heappush(h, (load.get(g, 0.0), g))
-        m[5] = g
-        load[g] = lo - negcost
+        load[g] = lo + cost
         heapq.heappush(h, (load[g], g))
-    return load
+        yield g
 
 
 def link_bandwidths(cluster: ClusterSpec, params: CostParams | None = None,
