@@ -14,7 +14,8 @@ from nereus.planner.plan import Plan, StagePlacement
 from nereus.planner.specs import ClusterSpec, JobSpec, ParallelConfig
 from nereus.planner.transition.graph import assemble
 from nereus.planner.transition.loads import role_loads
-from nereus.planner.transition.pieces import _PHASES, choose_sources, compute_pieces, link_bandwidths, same_holdings
+from nereus.planner.transition.pieces import (_PHASES, add_bytes, choose_sources, compute_pieces, link_bandwidths,
+                                              same_holdings, seconds)
 from nereus.planner.transition.schedule import ScheduleProblem
 from nereus.planner.transition.schedule_cpsat import schedule_transition
 from nereus.planner.transition.types import TransitionPlan
@@ -106,8 +107,8 @@ def transition_cost(plan_a: Plan, plan_b: Plan, cluster: ClusterSpec, job: JobSp
 def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan) -> float:
     """Per-GPU send and receive time summed over models, each model's source choice made (and
     cached) on its own, so candidate plans that share a model's move are cheap."""
-    send: dict[int, float] = {}
-    recv: dict[int, float] = {}
+    send: dict[int, list[int]] = {}
+    recv: dict[int, list[int]] = {}
     for role in job.roles:
         pa, pb = plan_a.home(role), plan_b.home(role)
         if same_holdings(pa, pb):
@@ -115,16 +116,19 @@ def _lower_bound(job: JobSpec, cluster: ClusterSpec, plan_a: Plan, plan_b: Plan)
         key = lambda p: (p.name, p.first_gpu, p.gpus, p.config.tp, p.config.pp, p.config.dp, p.config.zero,  # noqa: E731
                          p.config.ep, p.config.etp)
         rs, rr = _role_loads(job, cluster, role, key(pa), key(pb))
-        for g, v in rs:
-            send[g] = send.get(g, 0.0) + v
-        for g, v in rr:
-            recv[g] = recv.get(g, 0.0) + v
-    return max(max(send.values(), default=0.0), max(recv.values(), default=0.0))
+        for into, loads in ((send, rs), (recv, rr)):
+            for g, (intra, inter) in loads:
+                add_bytes(into, g, 0, intra)
+                add_bytes(into, g, 1, inter)
+    bw_intra, bw_inter = link_bandwidths(cluster)
+    return max(max(seconds(send, bw_intra, bw_inter).values(), default=0.0),
+               max(seconds(recv, bw_intra, bw_inter).values(), default=0.0))
 
 
 @lru_cache(maxsize=1024)
 def _role_loads(job: JobSpec, cluster: ClusterSpec, role: str, a: tuple, b: tuple) -> tuple[tuple, tuple]:
-    """(send, receive) seconds per GPU for moving one model from placement ``a`` to ``b``."""
+    """(send, receive) bytes per GPU, (within its node, across nodes), for moving one model from
+    placement ``a`` to ``b``."""
     def placement(k: tuple) -> StagePlacement:
         return StagePlacement(name=k[0], config=ParallelConfig(tp=k[3], pp=k[4], dp=k[5], zero=k[6], ep=k[7], etp=k[8]),
                               pool=0,
@@ -132,7 +136,8 @@ def _role_loads(job: JobSpec, cluster: ClusterSpec, role: str, a: tuple, b: tupl
 
     bw_intra, bw_inter = link_bandwidths(cluster)
     send, recv = role_loads(job, cluster, role, placement(a), placement(b), bw_intra, bw_inter)
-    return tuple(sorted(send.items())), tuple(sorted(recv.items()))
+    return (tuple(sorted((g, tuple(v)) for g, v in send.items())),
+            tuple(sorted((g, tuple(v)) for g, v in recv.items())))
 
 
 def describe(tp: TransitionPlan) -> dict[str, Any]:

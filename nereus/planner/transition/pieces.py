@@ -253,9 +253,9 @@ def _template_pieces(out: Pieces, ti: int, src: dict, dst: dict, cuts: dict, uni
 
 def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_inter: float) -> dict[int, float]:
     """Pick the sender of every move (see module docstring for the rule and its bound).
-    Returns the resulting send time per GPU."""
-    load: dict[int, float] = {}
-    flex: list[tuple[float, int, list, tuple]] = []
+    Returns the resulting send time per GPU (``seconds`` of the byte loads the greedy kept)."""
+    load: dict[int, list[int]] = {}
+    flex: list[tuple[float, int, list, tuple, int]] = []
     gpn = cluster.gpus_per_node
     split: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for i, m in enumerate(pieces.moves):
@@ -268,34 +268,58 @@ def choose_sources(pieces: Pieces, cluster: ClusterSpec, bw_intra: float, bw_int
             hit = split[key] = (tuple(c for c in cands if c // gpn == dst // gpn), tuple(cands))
         same = hit[0]
         cands = same or hit[1]
-        cost = m[6] / (bw_intra if same else bw_inter)
+        link = 0 if same else 1
         if len(cands) == 1:
             m[5] = cands[0]
-            load[cands[0]] = load.get(cands[0], 0.0) + cost
+            add_bytes(load, cands[0], link, m[6])
         else:
-            flex.append((-cost, i, m, cands))
+            flex.append((-(m[6] / (bw_intra if same else bw_inter)), i, m, cands, link))
     flex.sort(key=lambda x: (x[0], x[1]))
-    for (_, _, m, _), g in zip(flex, least_loaded(((-x[0], x[3]) for x in flex), load)):
+    for (_, _, m, _, _), g in zip(flex, least_loaded(((x[2][6], x[4], x[3]) for x in flex), load, bw_intra, bw_inter)):
         m[5] = g
-    return load
+    return seconds(load, bw_intra, bw_inter)
 
 
-def least_loaded(items: Iterator[tuple[float, tuple[int, ...]]], load: dict[int, float]) -> Iterator[int]:
-    """For each (cost, candidate GPUs) in order, the least-loaded candidate (ties to the lowest id),
-    adding the cost to its entry of ``load``: the greedy of ``choose_sources`` (and ``loads``)."""
+def add_bytes(load: dict[int, list[int]], gpu: int, link: int, nbytes: int) -> None:
+    """Add ``nbytes`` to ``gpu``'s bytes over ``link`` (0: within its node, 1: across nodes)."""
+    v = load.get(gpu)
+    if v is None:
+        v = load[gpu] = [0, 0]
+    v[link] += nbytes
+
+
+def seconds(load: Mapping[int, list[int]], bw_intra: float, bw_inter: float) -> dict[int, float]:
+    """Per-GPU seconds of per-GPU [intra-node, inter-node] bytes."""
+    return {g: v[0] / bw_intra + v[1] / bw_inter for g, v in load.items()}
+
+
+def least_loaded(items: Iterator[tuple[int, int, tuple[int, ...]]], load: dict[int, list[int]],
+                 bw_intra: float, bw_inter: float) -> Iterator[int]:
+    """For each (bytes, link, candidate GPUs) in order, the least-loaded candidate (in seconds;
+    ties to the lowest id), adding the bytes to its entry of ``load`` (see ``add_bytes``): the
+    greedy of ``choose_sources`` (and ``loads``). Loads are integer bytes per link class, so they
+    do not depend on the order they were added in: two callers that add the same bytes in another
+    order (``loads`` charges a one-sender piece for all its destinations at once) compare the
+    same seconds and break every tie alike."""
     heaps: dict[tuple, list[tuple[float, int]]] = {}
-    for cost, cands in items:
+
+    def sec(g: int) -> float:
+        v = load.get(g)
+        return 0.0 if v is None else v[0] / bw_intra + v[1] / bw_inter
+
+    for nbytes, link, cands in items:
         h = heaps.get(cands)
         if h is None:
-            h = heaps[cands] = [(load.get(c, 0.0), c) for c in cands]
+            h = heaps[cands] = [(sec(c), c) for c in cands]
             heapq.heapify(h)
         while True:  # lazy heap: loads are shared by every group a GPU belongs to
             lo, g = heapq.heappop(h)
-            if lo == load.get(g, 0.0):
+            now = sec(g)
+            if lo == now:
                 break
-            heapq.heappush(h, (load.get(g, 0.0), g))
-        load[g] = lo + cost
-        heapq.heappush(h, (load[g], g))
+            heapq.heappush(h, (now, g))
+        add_bytes(load, g, link, nbytes)
+        heapq.heappush(h, (sec(g), g))
         yield g
 
 
