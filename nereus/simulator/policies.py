@@ -119,7 +119,7 @@ def verl_rule(job: JobSpec, offload: bool = False) -> LayoutRule:
     offloads the reference's parameters), which the ground truth does not price."""
     return LayoutRule(name="verl-offload" if offload else "verl", placement="colocated",
                       fixed_tp_pp=fsdp_tp_pp(job), zeros=(3,), frozen_zeros=(3,),
-                      offload=(False, True) if offload else ())
+                      offload=(False, True) if offload else (False,))
 
 
 def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> LayoutRule:
@@ -132,9 +132,9 @@ def openrlhf_rule(job: JobSpec, colocate: bool, anchor: Plan | None = None) -> L
     the host, a cost the ground truth does not price) and ``--ref_reward_offload`` (parameter offload)."""
     if colocate:
         return LayoutRule(name="openrlhf-colocate", placement="colocated", fixed_tp_pp=fsdp_tp_pp(job),
-                          zeros=(3,), frozen_zeros=(3,))
+                          zeros=(3,), frozen_zeros=(3,), offload=(False,))
     return LayoutRule(name="openrlhf" if anchor is not None else "openrlhf-pools", placement="disaggregated",
-                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,))
+                      fixed_tp_pp=fsdp_tp_pp(job), anchor=anchor, zeros=(3,), frozen_zeros=(3,), offload=(False,))
 
 
 def make_controller(name: str, job: JobSpec, cluster: ClusterSpec, w0: Workload, gpus0: int, *,

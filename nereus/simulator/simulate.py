@@ -47,10 +47,13 @@ from nereus.simulator.truth.timeline import idle_at, schedule_of
 
 SYNC_ON_ASYNC = ("static", "verl", "verl-offload", "openrlhf", "openrlhf-colocate", "static-naive")
 """Today's policies that plan synchronous steps also on an asynchronous job (the sync baselines)."""
-SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1), frozen_zeros=(1, 3))
+SIM_CANDIDATES = CandidateSettings(kv_fractions=(1.0, 0.5, 0.25, 0.1), frozen_zeros=(1, 3), offload=(False, True))
 """The solver's option set in simulation: four generation KV-budget levels instead of seven (the
 generation options dominate the solver's table building; every solve of a 1,000-step run pays it),
-and frozen models replicated or ZeRO-3-sharded (what verl's FSDP reference does, open to every policy)."""
+frozen models replicated or ZeRO-3-sharded (what verl's FSDP reference does, open to every policy),
+and the trained models' optimizer state on the GPU or offloaded to the host between updates (verl's
+``optimizer_offload``: open to Nereus's policies and ``verl-offload``; ``verl`` and the OpenRLHF-like
+rules hold it off in their ``LayoutRule``)."""
 MAX_ATTEMPTS = 4
 """Tries of one step before its batch is dropped (a user gives up on a step after a few crashes)."""
 LABEL = "SIMULATED"

@@ -85,12 +85,18 @@ def test_the_planner_prices_it_as_the_solver_check_does():
 
 
 def test_verl_offload_and_the_fallback_may_offload():
-    """``verl-offload`` (verl's ``optimizer_offload`` open to its solver) and a fallback whose rule
-    allows it; plain ``verl`` and the OpenRLHF-like rules do not (the repro reports verl-like as the
-    better of the two verl policies)."""
-    assert True in verl_rule(JOB, offload=True).candidate_settings(CandidateSettings()).offload
-    for rule in (verl_rule(JOB), openrlhf_rule(JOB, colocate=True), openrlhf_rule(JOB, colocate=False)):
-        assert True not in rule.candidate_settings(CandidateSettings()).offload, rule.name  # DeepSpeed's CPU Adam: not modelled
+    """``verl-offload`` (verl's ``optimizer_offload`` open to its solver), Nereus's own simulated
+    policies (``SIM_CANDIDATES``) and a fallback whose rule allows it; plain ``verl`` and the
+    OpenRLHF-like rules do not, on the simulator's candidate settings too (the repro reports
+    verl-like as the better of the two verl policies)."""
+    from nereus.planner.online.plan_cache import FREE
+    from nereus.simulator.simulate import SIM_CANDIDATES
+
+    for base in (CandidateSettings(), SIM_CANDIDATES):
+        assert True in verl_rule(JOB, offload=True).candidate_settings(base).offload
+        for rule in (verl_rule(JOB), openrlhf_rule(JOB, colocate=True), openrlhf_rule(JOB, colocate=False)):
+            assert True not in rule.candidate_settings(base).offload, rule.name  # DeepSpeed's CPU Adam: not modelled
+    assert True in FREE.candidate_settings(SIM_CANDIDATES).offload  # static, adaptive, hindsight: open
     plan = _plan(8, gen_tp=2, zero=3)
     on = frugal_variants(plan, JOB, 8, allowed=CandidateSettings(offload=(False, True)))
     assert on and all(dict(q.extras).get("offload") == ("actor/training",) for q in on)
